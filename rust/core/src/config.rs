@@ -1,0 +1,149 @@
+//! Configuration of one residency manager, validated once at construction.
+
+use crate::error::{CoreError, Result};
+
+/// Which pages go first when the GPU pool runs short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PressurePolicy {
+    /// Release the pages the indexer selects least (lowest reported heat, ties to the oldest page), and only
+    /// transition a request to mixed residency when that frees more blocks than its hot region costs.
+    Coldest,
+    /// vLLM 0.33's behaviour: a transitioned request releases every clean page it has, newest first, and
+    /// released blocks are reused in the order they were released.
+    Fifo,
+}
+
+impl std::str::FromStr for PressurePolicy {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "coldest" => Ok(PressurePolicy::Coldest),
+            "fifo" => Ok(PressurePolicy::Fifo),
+            other => Err(CoreError::Config(format!(
+                "unknown policy {other:?}: expected 'coldest' or 'fifo'"
+            ))),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// GPU blocks including the null block 0.
+    pub num_gpu_blocks: u32,
+    /// Host blocks in the pinned host pool.
+    pub num_host_blocks: u32,
+    /// Tokens per block (page).
+    pub block_size: u32,
+    pub max_model_len: u32,
+    /// Request state rows: the most requests that can run at once.
+    pub max_running: u32,
+    pub top_k: u32,
+    /// Hot rows per request (per index group); each group keeps its own slot mapping in the same blocks.
+    pub hot_rows: u32,
+    /// Index groups: sets of layers that share one top-K.
+    pub num_index_groups: u32,
+    /// The newest pages that are never released.
+    pub tail_pages: u32,
+    /// Free GPU blocks the pressure policy keeps.
+    pub watermark: u32,
+    pub policy: PressurePolicy,
+    /// Page copies to host planned per step at most.
+    pub materialize_budget: u32,
+    /// Bytes of one page for all layers, for stats and logs.
+    pub page_bytes: u64,
+}
+
+impl Config {
+    /// The default hot rows: room for the union of `q + 1` top-K rows (verification tokens resolve together).
+    pub fn default_hot_rows(top_k: u32, speculative_tokens: u32) -> u32 {
+        (speculative_tokens + 1) * top_k
+    }
+
+    pub fn hot_blocks(&self) -> u32 {
+        self.hot_rows.div_ceil(self.block_size)
+    }
+
+    pub fn max_pages(&self) -> u32 {
+        self.max_model_len.div_ceil(self.block_size)
+    }
+
+    /// The default watermark: one hot region or a tenth of the pool, whichever is larger.
+    pub fn default_watermark(num_gpu_blocks: u32, hot_blocks: u32) -> u32 {
+        hot_blocks.max(num_gpu_blocks / 10)
+    }
+
+    /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
+    pub fn min_gpu_footprint(&self) -> u32 {
+        self.tail_pages + self.hot_blocks()
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CoreError::Config(m));
+        if self.block_size == 0 || self.top_k == 0 || self.hot_rows == 0 || self.max_model_len == 0
+        {
+            return bad("block_size, top_k, hot_rows and max_model_len must be positive".into());
+        }
+        if self.num_index_groups == 0 || self.max_running == 0 {
+            return bad("num_index_groups and max_running must be positive".into());
+        }
+        if self.hot_rows < self.top_k {
+            return bad(format!(
+                "hot_rows ({}) is smaller than top_k ({}): one decode step could never fit; raise hot_rows",
+                self.hot_rows, self.top_k
+            ));
+        }
+        if self.tail_pages == 0 {
+            return bad(
+                "tail_pages must be at least 1: the page being written must stay on the GPU".into(),
+            );
+        }
+        let need = 1 + self.min_gpu_footprint() as u64 + self.watermark as u64;
+        if (self.num_gpu_blocks as u64) < need {
+            return bad(format!(
+                "num_gpu_blocks ({}) cannot back one request: it needs the null block, {} tail pages, a hot \
+                 region of {} blocks and a watermark of {} blocks = {need}; raise the GPU pool or lower hot_rows",
+                self.num_gpu_blocks,
+                self.tail_pages,
+                self.hot_blocks(),
+                self.watermark
+            ));
+        }
+        if self.num_host_blocks < self.max_pages() {
+            let gib = |blocks: u64| blocks as f64 * self.page_bytes as f64 / (1u64 << 30) as f64;
+            return bad(format!(
+                "the host pool ({} blocks, {:.2} GiB) cannot hold one request at max_model_len {} ({} blocks); \
+                 raise host_pool_gib to at least {:.2} GiB or lower max_model_len",
+                self.num_host_blocks,
+                gib(self.num_host_blocks as u64),
+                self.max_model_len,
+                self.max_pages(),
+                gib(self.max_pages() as u64)
+            ));
+        }
+        if self.max_pages() > i32::MAX as u32 / self.block_size.max(1)
+            || self.num_gpu_blocks > i32::MAX as u32
+        {
+            return bad("the pools are too large for int32 row ids".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn test_config(num_gpu_blocks: u32, num_host_blocks: u32) -> Config {
+    Config {
+        num_gpu_blocks,
+        num_host_blocks,
+        block_size: 4,
+        max_model_len: 64,
+        max_running: 8,
+        top_k: 4,
+        hot_rows: 8,
+        num_index_groups: 2,
+        tail_pages: 2,
+        watermark: 2,
+        policy: PressurePolicy::Coldest,
+        materialize_budget: 64,
+        page_bytes: 4096,
+    }
+}

@@ -1,0 +1,23 @@
+//! hisparse-core: the residency bookkeeping of hybrid sparse-attention KV caching, and a bit-exact CPU
+//! reference of the GPU data path. No Python here; `hisparse-python` binds it.
+//!
+//! - [`block_pool`], [`host_pool`]: the GPU and pinned-host block pools.
+//! - [`page`]: the page state machine and derived request residency.
+//! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
+//! - [`reference`]: the CPU specification of every kernel in `cuda/` (see `cuda/SPEC.md`).
+
+pub mod block_pool;
+pub mod config;
+pub mod error;
+pub mod host_pool;
+mod index_list;
+pub mod manager;
+pub mod page;
+pub mod plan;
+pub mod reference;
+
+pub use config::{Config, PressurePolicy};
+pub use error::{CoreError, Resource, Result};
+pub use manager::{Admission, RequestInfo, ResidencyManager, Stats};
+pub use page::{PageState, Residency};
+pub use plan::StepPlan;

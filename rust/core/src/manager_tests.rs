@@ -1,0 +1,428 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::config::test_config;
+
+/// A worker that moves content tags the way the GPU data path moves bytes, and mirrors the block tables
+/// from plans alone. A page's tag is its prefix hash when it has one, else unique to (request, page).
+struct World {
+    gpu: Vec<Option<u64>>,
+    host: Vec<Option<u64>>,
+    tables: HashMap<u32, Vec<(u32, i32)>>,
+    hot: HashMap<u32, Vec<u32>>,
+    in_flight: Vec<TransferId>,
+    hashes: HashMap<u64, Vec<u64>>,
+}
+
+fn tag(world: &World, id: u64, page: u32) -> u64 {
+    match world.hashes.get(&id).and_then(|h| h.get(page as usize)) {
+        Some(&h) => h,
+        None => (1 << 62) | (id << 16) | page as u64,
+    }
+}
+
+impl World {
+    fn new(cfg: &Config) -> Self {
+        World {
+            gpu: vec![None; cfg.num_gpu_blocks as usize],
+            host: vec![None; cfg.num_host_blocks as usize],
+            tables: HashMap::new(),
+            hot: HashMap::new(),
+            in_flight: Vec::new(),
+            hashes: HashMap::new(),
+        }
+    }
+
+    /// Applies a plan in the documented order, then writes the step's new tokens.
+    fn apply(
+        &mut self,
+        m: &ResidencyManager,
+        plan: &StepPlan,
+        scheduled: &[(u64, u32)],
+        old_lens: &[u32],
+    ) {
+        let pages = m.config().max_pages() as usize;
+        for &row in &plan.cleared_rows {
+            self.tables.insert(row, vec![(0, -1); pages]);
+            self.hot.remove(&row);
+        }
+        for u in &plan.table_updates {
+            self.tables
+                .entry(u.row)
+                .or_insert_with(|| vec![(0, -1); pages])[u.page as usize] =
+                (u.gpu_block, u.host_block);
+        }
+        for h in &plan.hot_updates {
+            self.hot.insert(h.row, h.blocks.clone());
+        }
+        for c in &plan.restores {
+            self.gpu[c.gpu_block as usize] = self.host[c.host_block as usize];
+        }
+        for c in &plan.materialize {
+            self.host[c.host_block as usize] = self.gpu[c.gpu_block as usize];
+            self.in_flight.push(c.transfer);
+        }
+        let bs = m.config().block_size;
+        for (&(id, tokens), &old) in scheduled.iter().zip(old_lens) {
+            let row = m.request_info(id).unwrap().row.unwrap();
+            for page in old / bs..(old + tokens).div_ceil(bs) {
+                let block = self.tables[&row][page as usize].0;
+                assert_ne!(
+                    block, 0,
+                    "request {id} writes page {page} through the null block"
+                );
+                self.gpu[block as usize] = Some(tag(self, id, page));
+            }
+        }
+    }
+
+    /// Every written page of every running request reads back its own content, and the mirrored tables
+    /// equal the manager's.
+    fn check(&self, m: &ResidencyManager) {
+        for id in m.request_ids() {
+            let info = m.request_info(id).unwrap();
+            let Some(row) = info.row else { continue };
+            let table = m.block_table(id).unwrap();
+            let mirrored = self.tables.get(&row).map_or(&[][..], |t| &t[..table.len()]);
+            assert_eq!(
+                mirrored,
+                &table[..],
+                "request {id}: plan-built table differs"
+            );
+            assert_eq!(
+                self.hot.get(&row).cloned().unwrap_or_default(),
+                m.hot_blocks(id).unwrap()
+            );
+            for (page, &(gpu, host)) in table.iter().enumerate() {
+                let want = Some(tag(self, id, page as u32));
+                let got = if gpu != 0 {
+                    self.gpu[gpu as usize]
+                } else {
+                    self.host[host as usize]
+                };
+                assert_eq!(
+                    got, want,
+                    "request {id} page {page} (gpu {gpu}, host {host}) lost its content"
+                );
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Admit {
+        family: u64,
+        prompt: u32,
+        extra: u32,
+    },
+    Step {
+        mask: u8,
+        tokens: u32,
+    },
+    Complete {
+        pick: u8,
+        ok: bool,
+    },
+    Finish(usize),
+    Preempt(usize),
+    Resume(usize),
+    Heat(usize, u32),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..3u64, 1..24u32, 0..24u32).prop_map(|(family, prompt, extra)| Op::Admit { family, prompt, extra }),
+        6 => (any::<u8>(), 1..10u32).prop_map(|(mask, tokens)| Op::Step { mask, tokens }),
+        4 => (any::<u8>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Op::Complete { pick, ok }),
+        1 => (0..8usize).prop_map(Op::Finish),
+        1 => (0..8usize).prop_map(Op::Preempt),
+        1 => (0..8usize).prop_map(Op::Resume),
+        1 => (0..8usize, any::<u32>()).prop_map(|(i, s)| Op::Heat(i, s)),
+    ]
+}
+
+fn run(cfg: Config, ops: Vec<Op>) {
+    let mut m = ResidencyManager::new(cfg.clone()).unwrap();
+    let mut w = World::new(&cfg);
+    let mut next_id = 1u64;
+    for op in ops {
+        let ids = m.request_ids();
+        match op {
+            Op::Admit {
+                family,
+                prompt,
+                extra,
+            } => {
+                let id = next_id;
+                next_id += 1;
+                // Requests of one family share their prompt's page hashes (a common prefix).
+                let hashes: Vec<u64> = (0..prompt / cfg.block_size)
+                    .map(|p| family * 1000 + p as u64 + 1)
+                    .collect();
+                w.hashes.insert(id, hashes.clone());
+                match m.admit(id, prompt, &hashes, Some(prompt + extra + 8)) {
+                    Ok(a) => assert!(a.cached_tokens < prompt),
+                    Err(CoreError::Capacity { .. }) => {}
+                    Err(e) => panic!("admit failed: {e}"),
+                }
+            }
+            Op::Step { mask, tokens } => {
+                let mut scheduled = Vec::new();
+                let mut old = Vec::new();
+                for (i, &id) in ids.iter().enumerate() {
+                    let info = m.request_info(id).unwrap();
+                    if mask & (1 << (i % 8)) == 0 || info.row.is_none() {
+                        continue;
+                    }
+                    let room = m.req(id).unwrap().max_len - info.seq_len;
+                    if room > 0 {
+                        scheduled.push((id, tokens.min(room)));
+                        old.push(info.seq_len);
+                    }
+                }
+                let before = m.stats();
+                let plan = m.plan_step(&scheduled).unwrap();
+                if plan.is_short() {
+                    assert_eq!(m.stats(), before, "a short step changed the state");
+                    assert!(plan.table_updates.is_empty() && plan.materialize.is_empty());
+                } else {
+                    w.apply(&m, &plan, &scheduled, &old);
+                    w.check(&m);
+                }
+            }
+            Op::Complete { pick, ok } => {
+                let chosen: Vec<TransferId> = w
+                    .in_flight
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| pick & (1 << (i % 8)) != 0)
+                    .map(|(_, &t)| t)
+                    .collect();
+                w.in_flight.retain(|t| !chosen.contains(t));
+                m.complete(&chosen, ok).unwrap();
+                assert!(
+                    m.complete(&chosen[..chosen.len().min(1)], ok).is_err() || chosen.is_empty()
+                );
+            }
+            Op::Finish(i) if !ids.is_empty() => m.finish(ids[i % ids.len()]).unwrap(),
+            Op::Preempt(i) if !ids.is_empty() => {
+                let id = ids[i % ids.len()];
+                let _ = m.preempt(id);
+            }
+            Op::Resume(i) if !ids.is_empty() => {
+                let id = ids[i % ids.len()];
+                match m.resume(id) {
+                    Ok(_)
+                    | Err(CoreError::Capacity { .. })
+                    | Err(CoreError::InvalidArgument(_)) => {}
+                    Err(e) => panic!("resume failed: {e}"),
+                }
+            }
+            Op::Heat(i, seed) if !ids.is_empty() => {
+                let id = ids[i % ids.len()];
+                let n = m.request_info(id).unwrap().num_pages as usize;
+                let heat: Vec<u32> = (0..n).map(|p| (seed >> (p % 32)) & 3).collect();
+                m.report_heat(id, &heat).unwrap();
+            }
+            _ => {}
+        }
+        m.check_invariants()
+            .unwrap_or_else(|e| panic!("after {op:?}: {e}"));
+    }
+}
+
+proptest! {
+    // 256 cases by default; PROPTEST_CASES=20000 for a long run.
+    #[test]
+    fn state_machine_keeps_invariants_and_content(
+        gpu in 14..48u32,
+        host in 16..96u32,
+        fifo in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let mut cfg = test_config(gpu, host);
+        if fifo {
+            cfg.policy = PressurePolicy::Fifo;
+        }
+        run(cfg, ops);
+    }
+}
+
+fn small() -> ResidencyManager {
+    ResidencyManager::new(test_config(24, 64)).unwrap()
+}
+
+/// Drives `id` by `tokens` per step for `steps` steps, completing every copy at once.
+fn decode(m: &mut ResidencyManager, ids: &[u64], tokens: u32, steps: usize) -> Vec<StepPlan> {
+    let mut plans = Vec::new();
+    for _ in 0..steps {
+        let sched: Vec<(u64, u32)> = ids.iter().map(|&id| (id, tokens)).collect();
+        let plan = m.plan_step(&sched).unwrap();
+        let done: Vec<u64> = plan.materialize.iter().map(|c| c.transfer).collect();
+        m.complete(&done, true).unwrap();
+        m.check_invariants().unwrap();
+        plans.push(plan);
+    }
+    plans
+}
+
+#[test]
+fn config_refuses_a_host_pool_smaller_than_one_request() {
+    let err = ResidencyManager::new(test_config(24, 15)).err().unwrap();
+    let CoreError::Config(msg) = err else {
+        panic!("{err:?}")
+    };
+    assert!(msg.contains("raise host_pool_gib"), "{msg}");
+}
+
+#[test]
+fn pressure_moves_requests_to_mixed_residency() {
+    let mut m = small();
+    m.admit(1, 4, &[], None).unwrap();
+    m.admit(2, 4, &[], None).unwrap();
+    // 23 usable blocks, watermark 2, hot region 2, tail 2: two requests of 14 pages cannot both stay full.
+    let plans = decode(&mut m, &[1, 2], 4, 14);
+    assert!(plans.iter().all(|p| !p.is_short()));
+    let transitions: Vec<_> = plans.iter().flat_map(|p| p.transitions.clone()).collect();
+    assert!(
+        transitions
+            .iter()
+            .any(|t| t.from == Residency::Full && t.to != Residency::Full),
+        "{transitions:?}"
+    );
+    assert!(plans.iter().map(|p| p.released_pages).sum::<u32>() > 0);
+    assert!(
+        m.stats().mixed + m.stats().none >= 1,
+        "{}",
+        m.capacity_log()
+    );
+    m.finish(2).unwrap();
+    decode(&mut m, &[1], 0, 1);
+}
+
+#[test]
+fn short_step_says_how_many_blocks_are_missing() {
+    let mut m = small();
+    m.admit(1, 60, &[], None).unwrap();
+    m.admit(2, 48, &[], None).unwrap();
+    assert!(!m.plan_step(&[(1, 60)]).unwrap().is_short());
+    let before = m.stats();
+    // 15 of 23 blocks are taken by dirty pages nobody may release; request 2 needs 12.
+    let plan = m.plan_step(&[(2, 48)]).unwrap();
+    assert_eq!(plan.missing_blocks, 12 - 8);
+    assert_eq!(m.stats(), before);
+}
+
+#[test]
+fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
+    let mut m = small();
+    let hashes: Vec<u64> = (1..=5).collect();
+    m.admit(1, 21, &hashes, None).unwrap();
+    decode(&mut m, &[1], 21, 1);
+    decode(&mut m, &[1], 1, 2); // the pages are written, copied and published
+    m.finish(1).unwrap();
+    // The GPU copies are still readable: a new request adopts them without any copy.
+    let a = m.admit(2, 21, &hashes, None).unwrap();
+    assert_eq!(a.cached_tokens, 20);
+    assert_eq!(a.residency, Residency::Full);
+    let plan = m.plan_step(&[(2, 1)]).unwrap();
+    assert!(plan.restores.is_empty());
+    m.finish(2).unwrap();
+    // Others take every free block, so the GPU copies are reused: the prefix is then on the host only.
+    m.admit(3, 48, &[], None).unwrap();
+    m.admit(5, 40, &[], None).unwrap();
+    assert!(!m.plan_step(&[(3, 48), (5, 40)]).unwrap().is_short());
+    m.finish(3).unwrap();
+    m.finish(5).unwrap();
+    let a = m.admit(4, 21, &hashes, None).unwrap();
+    assert_eq!(a.cached_tokens, 20);
+    assert_eq!(a.residency, Residency::None);
+    assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
+    let plan = m.plan_step(&[(4, 1)]).unwrap();
+    assert_eq!(
+        plan.restores.len(),
+        2,
+        "the tail pages come back from the host"
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn preempted_request_resumes_from_host_without_recompute() {
+    let mut m = small();
+    m.admit(1, 17, &[], None).unwrap();
+    decode(&mut m, &[1], 17, 1);
+    decode(&mut m, &[1], 1, 2);
+    let kept = m.preempt(1).unwrap();
+    assert_eq!(kept, 16);
+    assert_eq!(m.stats().running, 0);
+    assert!(m.plan_step(&[(1, 1)]).is_err());
+    let a = m.resume(1).unwrap();
+    assert_eq!(a.cached_tokens, 16);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let mut m = small();
+    m.admit(1, 4, &[], None).unwrap();
+    assert!(matches!(
+        m.admit(1, 4, &[], None),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.admit(2, 0, &[], None),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.plan_step(&[(9, 1)]),
+        Err(CoreError::UnknownRequest(9))
+    ));
+    assert!(matches!(
+        m.plan_step(&[(1, 1), (1, 1)]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.plan_step(&[(1, 1000)]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.complete(&[77], true),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.report_heat(1, &[1, 2, 3]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(m.finish(5), Err(CoreError::UnknownRequest(5))));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn admission_names_the_binding_resource() {
+    let mut m = ResidencyManager::new(test_config(24, 40)).unwrap();
+    m.admit(1, 4, &[], Some(64)).unwrap();
+    m.admit(2, 4, &[], Some(64)).unwrap();
+    match m.admit(3, 4, &[], Some(64)) {
+        Err(CoreError::Capacity {
+            resource: Resource::HostBlocks,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let mut m = ResidencyManager::new(test_config(14, 400)).unwrap();
+    // 13 usable blocks, 4 per running request at least.
+    for id in 0..3 {
+        m.admit(id, 4, &[], Some(16)).unwrap();
+    }
+    match m.admit(3, 4, &[], Some(16)) {
+        Err(CoreError::Capacity {
+            resource: Resource::GpuBlocks,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
