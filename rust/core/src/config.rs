@@ -74,7 +74,7 @@ impl Config {
 
     /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
     pub fn min_gpu_footprint(&self) -> u32 {
-        self.tail_pages + self.hot_blocks()
+        steady_state_blocks(0, self.block_size, self.hot_rows, self.tail_pages, 1) as u32
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -127,6 +127,24 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// GPU blocks one request holds in steady state under pressure: its resident index keys (one block per page
+/// of `seq_len`, when the indexer's keys live in blocks of their own; pass 0 when they do not) and, per block
+/// group, its tail pages and a hot region.
+///
+/// hisparse keeps every layer of a page in one block, so one group serves all index groups: its own
+/// footprint is `steady_state_blocks(0, .., groups = 1)`. An allocator that gives each group of layers its own
+/// blocks (vLLM's hybrid allocator, 20 groups for GLM-5.3) pays tail and hot region once per group.
+pub fn steady_state_blocks(
+    seq_len: u64,
+    block_size: u32,
+    hot_rows: u32,
+    tail_pages: u32,
+    groups: u32,
+) -> u64 {
+    let bs = block_size.max(1) as u64;
+    seq_len.div_ceil(bs) + groups as u64 * (tail_pages as u64 + (hot_rows as u64).div_ceil(bs))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ pub mod page;
 pub mod plan;
 pub mod reference;
 
-pub use config::{Config, PressurePolicy};
+pub use config::{steady_state_blocks, Config, PressurePolicy};
 pub use error::{CoreError, Resource, Result};
 pub use manager::{Admission, RequestInfo, ResidencyManager, Stats};
 pub use page::{PageState, Residency};

@@ -1,0 +1,344 @@
+"""The worker side of the data path: the GPU slab, the host pool, the resolver's state tensors, and one API
+that runs the CUDA kernels on CUDA tensors and the Rust CPU reference (the specification,
+``cuda/SPEC.md``) on CPU tensors.
+
+A :class:`DataPath` mirrors the manager's tables from the :class:`~hisparse._core.StepPlan` s it applies;
+it never asks the manager anything, exactly like a worker process would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _core
+from .errors import InvalidArgumentError
+
+STATE_FIELDS = (
+    "seq_lens",
+    "block_table",
+    "host_table",
+    "hot_blocks",
+    "hot_pos",
+    "hot_lru",
+    "heat",
+    "status",
+    "counters",
+)
+
+
+def _buf(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """(address, elements) of a CPU tensor, after checking everything the Rust side relies on."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"{name} is on {t.device}; the reference path takes CPU tensors")
+    if t.dtype != dtype:
+        raise InvalidArgumentError(f"{name} must be {dtype}, not {t.dtype}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise InvalidArgumentError(f"{name} must have shape {list(shape)}, not {list(t.shape)}")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(f"{name} must be contiguous")
+    return t.data_ptr(), t.numel()
+
+
+def _rows_view(t: torch.Tensor, name: str, row_bytes: int) -> tuple[int, int]:
+    if t.dim() != 2 or t.shape[1] != row_bytes:
+        raise InvalidArgumentError(f"{name} must be [rows, {row_bytes}] uint8, not {list(t.shape)}")
+    return _buf(t, name, torch.uint8)
+
+
+def _geometry(state: dict[str, torch.Tensor], block_size: int, row_bytes: int) -> tuple[int, int, int, int, int]:
+    rows, pages = state["block_table"].shape
+    _, groups, hot_rows = state["hot_pos"].shape
+    return block_size, pages, hot_rows, groups, row_bytes
+
+
+def resolve_reference(
+    *,
+    topk: torch.Tensor,
+    row_state: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    host_table: torch.Tensor,
+    hot_blocks: torch.Tensor,
+    hot_pos: torch.Tensor,
+    hot_lru: torch.Tensor,
+    heat: torch.Tensor,
+    status: torch.Tensor,
+    counters: torch.Tensor,
+    gpu_layers: Sequence[torch.Tensor],
+    host_layers: Sequence[torch.Tensor],
+    group: int,
+    block_size: int,
+    out: torch.Tensor,
+    miss_plan: torch.Tensor | None = None,
+) -> None:
+    """``resolve`` of SPEC.md on CPU tensors (the same keywords as :func:`hisparse.kernels.ops.resolve`).
+
+    ``gpu_layers`` / ``host_layers`` are the group's layers, each ``[rows, row_bytes]`` uint8.
+    """
+    if miss_plan is not None:
+        raise InvalidArgumentError("miss_plan is produced by the CUDA resolver only")
+    if topk.dim() != 2:
+        raise InvalidArgumentError(f"topk must be [rows, top_k], not {list(topk.shape)}")
+    if len(gpu_layers) != len(host_layers) or not gpu_layers:
+        raise InvalidArgumentError("give the same positive number of GPU and host layers")
+    rows, top_k = topk.shape
+    row_bytes = gpu_layers[0].shape[-1]
+    s = block_table.shape[0]
+    state = dict(
+        seq_lens=seq_lens,
+        block_table=block_table,
+        host_table=host_table,
+        hot_blocks=hot_blocks,
+        hot_pos=hot_pos,
+        hot_lru=hot_lru,
+        heat=heat,
+        status=status,
+        counters=counters,
+    )
+    if hot_pos.dim() != 3 or block_table.dim() != 2:
+        raise InvalidArgumentError("block_table must be [S, P] and hot_pos [S, G, H]")
+    bufs = [
+        _buf(t, name, torch.int64 if name == "counters" else torch.int32)
+        for name, t in state.items()
+    ]
+    if seq_lens.shape != (s,) or status.shape != (s,):
+        raise InvalidArgumentError("seq_lens and status must be [S]")
+    _core._ref_resolve(
+        _geometry(state, block_size, row_bytes),
+        bufs,
+        _buf(topk, "topk", torch.int32),
+        top_k,
+        _buf(row_state, "row_state", torch.int32, (rows,)),
+        group,
+        [_rows_view(t, "gpu layer", row_bytes) for t in gpu_layers],
+        [_rows_view(t, "host layer", row_bytes) for t in host_layers],
+        _buf(out, "out", torch.int32, (rows, top_k)),
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one data path. ``layer_groups[l]`` is the index group of sparse layer ``l``."""
+
+    num_gpu_blocks: int
+    num_host_blocks: int
+    block_size: int
+    max_model_len: int
+    max_running: int
+    hot_rows: int
+    row_bytes: int
+    layer_groups: tuple[int, ...] = (0,)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_groups)
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups) + 1
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def hot_blocks(self) -> int:
+        return math.ceil(self.hot_rows / self.block_size)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page for every layer: one GPU block, one host block."""
+        return self.block_size * self.row_bytes * self.num_layers
+
+    def layers_of(self, group: int) -> list[int]:
+        return [layer for layer, g in enumerate(self.layer_groups) if g == group]
+
+
+class DataPath:
+    """Slab, host pool and resolver state for one worker, on CPU or CUDA."""
+
+    def __init__(self, layout: Layout, device: str | torch.device = "cpu"):
+        if layout.row_bytes % 16:
+            raise InvalidArgumentError(f"row_bytes ({layout.row_bytes}) must be a multiple of 16")
+        if sorted(set(layout.layer_groups)) != list(range(layout.num_groups)):
+            raise InvalidArgumentError("layer_groups must name every group from 0 up")
+        self.layout = layout
+        self.device = torch.device(device)
+        lay, dev = layout, self.device
+        s, p, g, h = lay.max_running, lay.max_pages, lay.num_groups, lay.hot_rows
+        i32 = dict(dtype=torch.int32, device=dev)
+        # One slab per layer: a block id addresses the same rows in every layer.
+        self.gpu = torch.zeros(lay.num_layers, lay.num_gpu_blocks * lay.block_size, lay.row_bytes,
+                               dtype=torch.uint8, device=dev)
+        self.host = torch.zeros(lay.num_layers, lay.num_host_blocks * lay.block_size, lay.row_bytes,
+                                dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self.state: dict[str, torch.Tensor] = {
+            "seq_lens": torch.zeros(s, **i32),
+            "block_table": torch.zeros(s, p, **i32),
+            "host_table": torch.full((s, p), -1, **i32),
+            "hot_blocks": torch.zeros(s, lay.hot_blocks, **i32),
+            "hot_pos": torch.full((s, g, h), -1, **i32),
+            "hot_lru": torch.arange(h, **i32).repeat(s, g, 1),
+            "heat": torch.zeros(s, p, **i32),
+            "status": torch.zeros(s, **i32),
+            "counters": torch.zeros(3, dtype=torch.int64, device=dev),
+        }
+
+    # ------------------------------------------------------------------ applying plans
+
+    def apply(self, plan: _core.StepPlan) -> list[int]:
+        """Applies a plan in its documented order and runs its copies; returns the transfer ids started.
+
+        On CPU the copies are done when this returns; the caller reports them to the manager whenever it
+        likes (late or out of order is fine).
+        """
+        st, dev = self.state, self.device
+        for row in plan.cleared_rows:
+            st["seq_lens"][row] = 0
+            st["block_table"][row] = 0
+            st["host_table"][row] = -1
+            st["heat"][row] = 0
+            st["status"][row] = 0
+            self._reset_hot(row, [])
+        if plan.seq_lens:
+            rows, lens = zip(*plan.seq_lens, strict=True)
+            st["seq_lens"][list(rows)] = torch.tensor(lens, dtype=torch.int32, device=dev)
+        updates = plan.table_updates
+        if updates:
+            t = torch.tensor(updates, dtype=torch.int64)
+            idx = (t[:, 0].to(dev), t[:, 1].to(dev))
+            st["block_table"][idx] = t[:, 2].to(torch.int32).to(dev)
+            st["host_table"][idx] = t[:, 3].to(torch.int32).to(dev)
+        for row, blocks in plan.hot_updates:
+            self._reset_hot(row, blocks)
+        if plan.restores:
+            self.copy_blocks(plan.restores, to_host=False)
+        copies = plan.materialize
+        if copies:
+            self.copy_blocks([(g, h) for _, g, h in copies], to_host=True)
+        return [t for t, _, _ in copies]
+
+    def _reset_hot(self, row: int, blocks: Sequence[int]) -> None:
+        st = self.state
+        st["hot_blocks"][row] = 0
+        if blocks:
+            st["hot_blocks"][row, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        st["hot_pos"][row] = -1
+        st["hot_lru"][row] = torch.arange(self.layout.hot_rows, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ the kernels
+
+    def resolve(self, topk: torch.Tensor, row_state: torch.Tensor, group: int = 0) -> torch.Tensor:
+        """Row ids into every layer of ``group`` for ``topk`` [rows, top_k] positions (see SPEC.md)."""
+        out = torch.empty(topk.shape, dtype=torch.int32, device=self.device)
+        layers = self.layout.layers_of(group)
+        kwargs = dict(
+            topk=topk,
+            row_state=row_state,
+            **self.state,
+            gpu_layers=[self.gpu[layer] for layer in layers],
+            host_layers=[self.host[layer] for layer in layers],
+            group=group,
+            block_size=self.layout.block_size,
+            out=out,
+        )
+        if self.device.type == "cuda":
+            from .kernels import ops
+
+            ops.resolve(**kwargs)
+        else:
+            resolve_reference(**kwargs)
+        return out
+
+    def gather(self, row_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        """Dense rows [rows, top_k, row_bytes] of one layer; zeros for -1."""
+        out = torch.empty(*row_ids.shape, self.layout.row_bytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda":
+            from .kernels import ops
+
+            ops.gather(row_ids=row_ids, slab=self.gpu[layer], out=out)
+            return out
+        _core._ref_gather(
+            _buf(row_ids, "row_ids", torch.int32),
+            _buf(self.gpu[layer], "slab", torch.uint8),
+            self.layout.row_bytes,
+            _buf(out, "out", torch.uint8),
+        )
+        return out
+
+    def _copy(self, pairs: Sequence[tuple[int, int]], unit: int, to_host: bool) -> None:
+        if not pairs:
+            return
+        lay = self.layout
+        t = torch.tensor(list(pairs), dtype=torch.int64)
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise InvalidArgumentError("pairs must be (gpu, host) pairs")
+        if self.device.type == "cuda":
+            from .kernels import ops
+
+            fn = ops.copy_rows if unit == 1 else ops.copy_blocks
+            fn(pairs=t.to(self.device), gpu_layers=list(self.gpu), host_layers=list(self.host),
+               to_host=to_host, block_size=lay.block_size)
+            return
+        _core._ref_copy(
+            _buf(t, "pairs", torch.int64),
+            unit,
+            lay.row_bytes,
+            to_host,
+            [_rows_view(g, "gpu layer", lay.row_bytes) for g in self.gpu],
+            [_rows_view(h, "host layer", lay.row_bytes) for h in self.host],
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
+        """Whole pages, every layer: materialize (``to_host``) or restore."""
+        self._copy(pairs, self.layout.block_size, to_host)
+
+    def mirror(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies written rows (GPU row, host row) to the host pool, every layer."""
+        self._copy(pairs, 1, True)
+
+    def invalidate(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Empties the hot slots holding (state row, position), whose host rows were rewritten."""
+        if not pairs:
+            return
+        t = torch.tensor(list(pairs), dtype=torch.int32)
+        if self.device.type == "cuda":
+            from .kernels import ops
+
+            ops.invalidate(pairs=t.to(self.device), hot_pos=self.state["hot_pos"], hot_lru=self.state["hot_lru"])
+            return
+        lay = self.layout
+        _core._ref_invalidate(
+            _geometry(self.state, lay.block_size, lay.row_bytes),
+            _buf(self.state["hot_pos"], "hot_pos", torch.int32),
+            _buf(self.state["hot_lru"], "hot_lru", torch.int32),
+            _buf(t, "pairs", torch.int32),
+        )
+
+    # ------------------------------------------------------------------ helpers for engines and tests
+
+    def token_rows(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        """GPU rows where the KV of ``positions`` of state row ``row`` is written (the slot mapping)."""
+        bs = self.layout.block_size
+        blocks = self.state["block_table"][row, positions // bs]
+        if bool((blocks == 0).any()):
+            raise InvalidArgumentError(f"row {row}: some positions have no resident block to write")
+        return blocks * bs + positions % bs
+
+    def take_heat(self, row: int, num_pages: int) -> list[int]:
+        """The heat of a row's pages since the last call, cleared."""
+        heat = self.state["heat"][row, :num_pages]
+        values = heat.tolist()
+        heat.zero_()
+        return values
+
+    @property
+    def counters(self) -> dict[str, int]:
+        hits, misses, h2d = self.state["counters"].tolist()
+        return {"hits": hits, "misses": misses, "h2d_bytes": h2d}

@@ -1,0 +1,183 @@
+use super::*;
+
+const RB: usize = 16;
+
+/// One request row, block size 2, 4 pages, 4 hot rows (2 hot blocks), one group.
+struct Fixture {
+    geo: Geometry,
+    seq_lens: Vec<i32>,
+    block_table: Vec<i32>,
+    host_table: Vec<i32>,
+    hot_blocks: Vec<i32>,
+    hot_pos: Vec<i32>,
+    hot_lru: Vec<i32>,
+    heat: Vec<i32>,
+    status: Vec<i32>,
+    counters: Vec<i64>,
+    gpu: Vec<u8>,
+    host: Vec<u8>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let geo = Geometry {
+            block_size: 2,
+            pages: 4,
+            hot_rows: 4,
+            groups: 1,
+            row_bytes: RB,
+        };
+        // Pages 1 and 3 resident in blocks 3 and 5; pages 0 and 2 host-only (host blocks 1 and 2).
+        // Host row `x` holds bytes equal to 100 + x.
+        let host: Vec<u8> = (0..8 * RB).map(|i| 100 + (i / RB) as u8).collect();
+        Fixture {
+            geo,
+            seq_lens: vec![7],
+            block_table: vec![0, 3, 0, 5],
+            host_table: vec![1, -1, 2, -1],
+            hot_blocks: vec![6, 7],
+            hot_pos: vec![-1; 4],
+            hot_lru: vec![0, 1, 2, 3],
+            heat: vec![0; 4],
+            status: vec![0],
+            counters: vec![0; 3],
+            gpu: vec![0; 8 * 2 * RB],
+            host,
+        }
+    }
+
+    fn resolve(&mut self, topk: &[i32], top_k: usize, row_state: &[i32]) -> Result<Vec<i32>> {
+        let mut st = ResolveState {
+            seq_lens: &self.seq_lens,
+            block_table: &self.block_table,
+            host_table: &self.host_table,
+            hot_blocks: &self.hot_blocks,
+            hot_pos: &mut self.hot_pos,
+            hot_lru: &mut self.hot_lru,
+            heat: &mut self.heat,
+            status: &mut self.status,
+            counters: &mut self.counters,
+        };
+        let mut out = vec![7; topk.len()];
+        let mut layers = [LayerSlabs {
+            gpu: &mut self.gpu,
+            host: &mut self.host,
+        }];
+        resolve(
+            &self.geo,
+            &mut st,
+            topk,
+            top_k,
+            row_state,
+            0,
+            &mut layers,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+}
+
+#[test]
+fn resident_hot_and_miss_rows_resolve_as_specified() {
+    let mut f = Fixture::new();
+    // Positions: 2 -> page 1 resident (block 3: row 6); 0 -> page 0 miss; 4 -> page 2 miss;
+    // 7 -> beyond seq_len; 0 again -> same slot; -1 padding.
+    let out = f.resolve(&[2, 0, 4, 7, 0, -1], 6, &[0]).unwrap();
+    // Misses take the oldest slots 0 and 1: hot rows 6*2+0 = 12 and 6*2+1 = 13.
+    assert_eq!(out, vec![6, 12, 13, -1, 12, -1]);
+    assert_eq!(f.hot_pos, vec![0, 4, -1, -1]);
+    assert_eq!(f.hot_lru, vec![2, 3, 0, 1]);
+    assert_eq!(f.heat, vec![1, 1, 1, 0]);
+    assert_eq!(f.counters, vec![0, 2, 2 * RB as i64]);
+    // Position 0 is host row 1*2+0 = 2, position 4 is host row 2*2+0 = 4.
+    assert!(f.gpu[12 * RB..13 * RB].iter().all(|&b| b == 102));
+    assert!(f.gpu[13 * RB..14 * RB].iter().all(|&b| b == 104));
+
+    // Next step: 4 hits (slot 1), 5 misses (slot 2, the oldest evictable), 1 misses (slot 3).
+    let out = f.resolve(&[5, 4, 1], 3, &[0]).unwrap();
+    assert_eq!(out, vec![14, 13, 15]);
+    assert_eq!(f.hot_pos, vec![0, 4, 5, 1]);
+    // Untouched slot 0 first, then the selected ones in order of first selection.
+    assert_eq!(f.hot_lru, vec![0, 2, 1, 3]);
+    assert_eq!(f.counters, vec![1, 4, 4 * RB as i64]);
+}
+
+#[test]
+fn rows_of_one_request_resolve_over_their_union_and_padding_rows_touch_nothing() {
+    let mut f = Fixture::new();
+    let out = f.resolve(&[0, 4, 4, 5, 9, 9], 2, &[0, 0, -1]).unwrap();
+    assert_eq!(out, vec![12, 13, 13, 14, -1, -1]);
+    assert_eq!(f.heat, vec![1, 0, 2, 0]);
+    assert_eq!(f.counters[1], 3);
+}
+
+#[test]
+fn overflow_and_missing_host_copy_fail_without_changing_state() {
+    let mut f = Fixture::new();
+    f.seq_lens[0] = 8;
+    f.block_table = vec![0, 0, 0, 0];
+    f.host_table = vec![1, 2, 3, -1];
+    // Five distinct non-resident positions do not fit four hot rows.
+    let out = f.resolve(&[0, 1, 2, 3, 4], 5, &[0]).unwrap();
+    assert_eq!(out, vec![-1; 5]);
+    assert_eq!(f.status, vec![STATUS_OVERFLOW]);
+    assert_eq!(
+        (f.hot_pos.clone(), f.counters.clone()),
+        (vec![-1; 4], vec![0; 3])
+    );
+    assert_eq!(
+        f.heat,
+        vec![2, 2, 1, 0],
+        "heat counts even when the request fails"
+    );
+    // Page 3 has no host copy.
+    let out = f.resolve(&[6, 0], 2, &[0]).unwrap();
+    assert_eq!(out, vec![-1, -1]);
+    assert_eq!(f.status, vec![STATUS_OVERFLOW | STATUS_NO_HOST_COPY]);
+    assert!(f.gpu.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn bad_tables_are_refused_before_any_write() {
+    let mut f = Fixture::new();
+    f.block_table[1] = 99;
+    assert!(f.resolve(&[0, 2], 2, &[0]).is_err());
+    assert_eq!(f.heat, vec![0; 4]);
+    assert!(
+        f.resolve(&[0], 1, &[1]).is_err(),
+        "row_state beyond the state rows"
+    );
+}
+
+#[test]
+fn invalidate_moves_emptied_slots_to_the_front() {
+    let geo = Geometry {
+        block_size: 2,
+        pages: 4,
+        hot_rows: 4,
+        groups: 1,
+        row_bytes: RB,
+    };
+    let mut pos = vec![7, 3, 9, 1];
+    let mut lru = vec![2, 0, 3, 1];
+    invalidate(&geo, &mut pos, &mut lru, &[0, 1, 0, 9, -1, 3]).unwrap();
+    assert_eq!(pos, vec![7, 3, -1, -1]);
+    assert_eq!(lru, vec![3, 2, 0, 1]);
+}
+
+#[test]
+fn copies_and_gather_move_whole_rows() {
+    let mut gpu = vec![0u8; 4 * RB];
+    let mut host: Vec<u8> = (0..4 * RB).map(|i| (i / RB) as u8 + 1).collect();
+    let mut layers = [LayerSlabs {
+        gpu: &mut gpu,
+        host: &mut host,
+    }];
+    copy_units(&[1, 0, -1, 3], 2, RB, Direction::HostToDevice, &mut layers).unwrap();
+    assert!(copy_units(&[2, 0], 2, RB, Direction::HostToDevice, &mut layers).is_err());
+    let mut dense = vec![9u8; 3 * RB];
+    gather(&[2, -1, 3], &gpu, RB, &mut dense).unwrap();
+    assert!(dense[..RB].iter().all(|&b| b == 1));
+    assert!(dense[RB..2 * RB].iter().all(|&b| b == 0));
+    assert!(dense[2 * RB..].iter().all(|&b| b == 2));
+}
