@@ -282,9 +282,12 @@ class DataPath:
         if self.device.type == "cuda":
             from .kernels import ops
 
-            fn = ops.copy_rows if unit == 1 else ops.copy_blocks
-            fn(pairs=t.to(self.device), gpu_layers=list(self.gpu), host_layers=list(self.host),
-               to_host=to_host, block_size=lay.block_size)
+            layers = dict(gpu_layers=list(self.gpu), host_layers=list(self.host), to_host=to_host)
+            if unit == 1:
+                ops.copy_rows(pairs=t.to(self.device), **layers)
+            else:
+                pairs32 = t.to(torch.int32).to(self.device)
+                ops.copy_blocks(pairs=pairs32, block_size=lay.block_size, **layers)
             return
         _core._ref_copy(
             _buf(t, "pairs", torch.int64),

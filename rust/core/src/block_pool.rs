@@ -50,11 +50,7 @@ impl BlockPool {
         for b in 1..num_blocks {
             free.push_back(b);
         }
-        BlockPool {
-            meta: vec![BlockMeta::default(); num_blocks as usize],
-            free,
-            by_hash: HashMap::new(),
-        }
+        BlockPool { meta: vec![BlockMeta::default(); num_blocks as usize], free, by_hash: HashMap::new() }
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -68,10 +64,7 @@ impl BlockPool {
 
     /// Free blocks that some page still reads in place.
     pub fn num_released(&self) -> u32 {
-        self.free
-            .iter()
-            .filter(|&b| !self.meta[b as usize].readers.is_empty())
-            .count() as u32
+        self.free.iter().filter(|&b| !self.meta[b as usize].readers.is_empty()).count() as u32
     }
 
     pub fn ref_count(&self, b: BlockId) -> u32 {
@@ -95,12 +88,7 @@ impl BlockPool {
         if let Some(h) = meta.hash.take() {
             self.by_hash.remove(&h);
         }
-        Some((
-            b,
-            Reuse {
-                readers: std::mem::take(&mut meta.readers),
-            },
-        ))
+        Some((b, Reuse { readers: std::mem::take(&mut meta.readers) }))
     }
 
     /// Pins a block once more; a free block leaves the free list, keeping its content and readers.
@@ -173,10 +161,7 @@ mod tests {
         let (a, _) = pool.allocate().unwrap();
         let (b, _) = pool.allocate().unwrap();
         assert_eq!((a, b), (1, 2));
-        let reader = Reader {
-            request: 7,
-            page: 3,
-        };
+        let reader = Reader { request: 7, page: 3 };
         pool.add_reader(a, reader);
         pool.publish(a, 99);
         pool.unpin(a).unwrap();

@@ -19,9 +19,9 @@ impl std::str::FromStr for PressurePolicy {
         match s {
             "coldest" => Ok(PressurePolicy::Coldest),
             "fifo" => Ok(PressurePolicy::Fifo),
-            other => Err(CoreError::Config(format!(
-                "unknown policy {other:?}: expected 'coldest' or 'fifo'"
-            ))),
+            other => {
+                Err(CoreError::Config(format!("unknown policy {other:?}: expected 'coldest' or 'fifo'")))
+            }
         }
     }
 }
@@ -79,8 +79,7 @@ impl Config {
 
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(CoreError::Config(m));
-        if self.block_size == 0 || self.top_k == 0 || self.hot_rows == 0 || self.max_model_len == 0
-        {
+        if self.block_size == 0 || self.top_k == 0 || self.hot_rows == 0 || self.max_model_len == 0 {
             return bad("block_size, top_k, hot_rows and max_model_len must be positive".into());
         }
         if self.num_index_groups == 0 || self.max_running == 0 {
@@ -93,9 +92,7 @@ impl Config {
             ));
         }
         if self.tail_pages == 0 {
-            return bad(
-                "tail_pages must be at least 1: the page being written must stay on the GPU".into(),
-            );
+            return bad("tail_pages must be at least 1: the page being written must stay on the GPU".into());
         }
         let need = 1 + self.min_gpu_footprint() as u64 + self.watermark as u64;
         if (self.num_gpu_blocks as u64) < need {

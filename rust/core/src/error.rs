@@ -26,12 +26,7 @@ pub enum CoreError {
     /// The configuration cannot work; the message says what to change.
     Config(String),
     /// Not enough of a resource right now; state is unchanged.
-    Capacity {
-        resource: Resource,
-        needed: u64,
-        available: u64,
-        message: String,
-    },
+    Capacity { resource: Resource, needed: u64, available: u64, message: String },
     /// A caller passed something that cannot be right (unknown id, bad shape, out-of-range block...).
     InvalidArgument(String),
     /// A request id the manager does not know (or no longer knows).
@@ -43,9 +38,7 @@ pub enum CoreError {
 impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            CoreError::Config(m) | CoreError::InvalidArgument(m) | CoreError::Invariant(m) => {
-                f.write_str(m)
-            }
+            CoreError::Config(m) | CoreError::InvalidArgument(m) | CoreError::Invariant(m) => f.write_str(m),
             CoreError::Capacity { message, .. } => f.write_str(message),
             CoreError::UnknownRequest(id) => write!(f, "unknown request id {id}"),
         }

@@ -23,15 +23,11 @@ impl ResidencyManager {
             match r.status {
                 Status::Running { row } => {
                     running += 1;
-                    if row >= cfg.max_running || !rows.insert(row) || self.free_rows.contains(&row)
-                    {
+                    if row >= cfg.max_running || !rows.insert(row) || self.free_rows.contains(&row) {
                         return invariant(format!("request {id}: row {row} is not its own"));
                     }
                     if n != r.seq_len.div_ceil(cfg.block_size) as usize {
-                        return invariant(format!(
-                            "request {id}: {n} pages for {} tokens",
-                            r.seq_len
-                        ));
+                        return invariant(format!("request {id}: {n} pages for {} tokens", r.seq_len));
                     }
                 }
                 Status::Preempted => {
@@ -41,10 +37,7 @@ impl ResidencyManager {
                 }
             }
             if r.complete_pages as usize > n {
-                return invariant(format!(
-                    "request {id}: {} complete pages of {n}",
-                    r.complete_pages
-                ));
+                return invariant(format!("request {id}: {} complete pages of {n}", r.complete_pages));
             }
             let mut host_only = 0;
             let mut released = 0;
@@ -62,8 +55,7 @@ impl ResidencyManager {
                     PageState::Copying { host, transfer, .. } => {
                         *host_refs.entry(host).or_default() += 1;
                         match self.copies.get(&transfer) {
-                            Some(CopyOwner::Page { request, page: pg })
-                                if *request == id && *pg == page => {}
+                            Some(CopyOwner::Page { request, page: pg }) if *request == id && *pg == page => {}
                             _ => {
                                 return invariant(format!(
                                     "request {id} page {page}: copy {transfer} not owned"
@@ -86,23 +78,17 @@ impl ResidencyManager {
                     PageState::HostOnly { .. } => {
                         host_only += 1;
                         if in_tail && r.row().is_some() {
-                            return invariant(format!(
-                                "request {id}: tail page {page} is host-only"
-                            ));
+                            return invariant(format!("request {id}: tail page {page} is host-only"));
                         }
                     }
                     _ => {}
                 }
             }
             if (host_only > 0 || released > 0) && r.row().is_some() && r.hot.is_none() {
-                return invariant(format!(
-                    "request {id} reads through a hot region it does not hold"
-                ));
+                return invariant(format!("request {id} reads through a hot region it does not hold"));
             }
             if host_only != r.host_only || released != r.released || releasable != r.releasable {
-                return invariant(format!(
-                    "request {id}: page counters disagree with its pages"
-                ));
+                return invariant(format!("request {id}: page counters disagree with its pages"));
             }
             if let Some(hot) = &r.hot {
                 if hot.len() != cfg.hot_blocks() as usize {
@@ -135,9 +121,7 @@ impl ResidencyManager {
                 ));
             }
             if self.pool.is_free(b) != (want == 0) {
-                return invariant(format!(
-                    "block {b}: free list membership disagrees with its pins"
-                ));
+                return invariant(format!("block {b}: free list membership disagrees with its pins"));
             }
             free += self.pool.is_free(b) as u32;
             for reader in self.pool.readers(b) {

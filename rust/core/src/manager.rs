@@ -82,15 +82,8 @@ impl Request {
 /// while the copy still reads the block, which therefore stays pinned until the copy ends.
 #[derive(Clone, Copy, Debug)]
 enum CopyOwner {
-    Page {
-        request: u64,
-        page: u32,
-    },
-    Orphan {
-        block: BlockId,
-        host: HostBlockId,
-        hash: Option<u64>,
-    },
+    Page { request: u64, page: u32 },
+    Orphan { block: BlockId, host: HostBlockId, hash: Option<u64> },
 }
 
 /// The pressure dry run's view of the pool: free blocks and the pins left on blocks it released pages of
@@ -104,14 +97,8 @@ struct DryRun {
 
 impl DryRun {
     fn release(&mut self, m: &ResidencyManager, request: u64, page: u32) {
-        let block = m.requests[&request].pages[page as usize]
-            .state
-            .pinned_block()
-            .expect("a clean page");
-        let left = self
-            .pins
-            .entry(block)
-            .or_insert_with(|| m.pool.ref_count(block));
+        let block = m.requests[&request].pages[page as usize].state.pinned_block().expect("a clean page");
+        let left = self.pins.entry(block).or_insert_with(|| m.pool.ref_count(block));
         *left -= 1;
         if *left == 0 {
             self.free += 1;
@@ -121,10 +108,7 @@ impl DryRun {
 }
 
 /// A request's releasable pages in pressure order, from some point on.
-type Cursor<'a> = (
-    u64,
-    std::iter::Skip<std::collections::btree_set::Iter<'a, (u32, u32)>>,
-);
+type Cursor<'a> = (u64, std::iter::Skip<std::collections::btree_set::Iter<'a, (u32, u32)>>);
 type ColdHeap = BinaryHeap<Reverse<(u32, u32, u64, usize)>>;
 
 fn add_cursor<'a>(
@@ -258,9 +242,7 @@ impl ResidencyManager {
     }
 
     fn req_mut(&mut self, id: u64) -> Result<&mut Request> {
-        self.requests
-            .get_mut(&id)
-            .ok_or(CoreError::UnknownRequest(id))
+        self.requests.get_mut(&id).ok_or(CoreError::UnknownRequest(id))
     }
 
     // ----------------------------------------------------------------------------------------------
@@ -309,11 +291,7 @@ impl ResidencyManager {
     fn note_transition(&mut self, id: u64, before: Residency) -> Result<()> {
         let after = self.req(id)?.residency(self.cfg.tail_pages);
         if after != before {
-            self.pending.transitions.push(Transition {
-                request: id,
-                from: before,
-                to: after,
-            });
+            self.pending.transitions.push(Transition { request: id, from: before, to: after });
         }
         Ok(())
     }
@@ -321,9 +299,7 @@ impl ResidencyManager {
     fn release_page(&mut self, id: u64, page: u32) -> Result<()> {
         let state = self.req(id)?.pages[page as usize].state;
         let released = state.release()?;
-        let PageState::Released { block, .. } = released else {
-            unreachable!()
-        };
+        let PageState::Released { block, .. } = released else { unreachable!() };
         self.pool.add_reader(block, Reader { request: id, page });
         self.pool.unpin(block)?;
         self.set_page(id, page, released)?;
@@ -336,9 +312,7 @@ impl ResidencyManager {
         if self.req(id)?.hot.is_some() {
             return invariant(format!("request {id} leased a second hot region"));
         }
-        let blocks = (0..self.hot_cost())
-            .map(|_| self.take_block())
-            .collect::<Result<Vec<_>>>()?;
+        let blocks = (0..self.hot_cost()).map(|_| self.take_block()).collect::<Result<Vec<_>>>()?;
         self.req_mut(id)?.hot = Some(blocks);
         self.pending.hot_rows.push(id);
         Ok(())
@@ -359,19 +333,10 @@ impl ResidencyManager {
 
     /// Plans the releases (and hot leases) that bring free blocks to `needed + watermark`, or as close as
     /// the policy allows, after releasing `base`. Returns the actions and the free blocks they leave.
-    fn plan_pressure(
-        &self,
-        needed: u32,
-        prefer: &[u64],
-        base: &[(u64, u32)],
-    ) -> (Vec<Action>, i64) {
+    fn plan_pressure(&self, needed: u32, prefer: &[u64], base: &[(u64, u32)]) -> (Vec<Action>, i64) {
         let hot_cost = self.hot_cost() as i64;
         let target = needed as i64 + self.cfg.watermark as i64;
-        let mut run = DryRun {
-            free: self.pool.num_free() as i64,
-            pins: HashMap::new(),
-            actions: Vec::new(),
-        };
+        let mut run = DryRun { free: self.pool.num_free() as i64, pins: HashMap::new(), actions: Vec::new() };
         for &(id, page) in base {
             run.release(self, id, page);
         }
@@ -443,16 +408,10 @@ impl ResidencyManager {
         let hot_cost = self.hot_cost() as usize;
         let eligible = |id: &u64| {
             let r = &self.requests[id];
-            !done.contains(id)
-                && r.hot.is_none()
-                && r.row().is_some()
-                && r.releasable.len() > hot_cost
+            !done.contains(id) && r.hot.is_none() && r.row().is_some() && r.releasable.len() > hot_cost
         };
         if self.cfg.policy == PressurePolicy::Fifo {
-            if let Some(&id) = prefer
-                .iter()
-                .find(|id| self.requests.contains_key(id) && eligible(id))
-            {
+            if let Some(&id) = prefer.iter().find(|id| self.requests.contains_key(id) && eligible(id)) {
                 return Some(id);
             }
         }
@@ -479,18 +438,12 @@ impl ResidencyManager {
 
     /// Makes `needed` blocks obtainable, releasing pages if the watermark asks for it; on failure nothing
     /// changed and the error says how many blocks are missing.
-    fn reclaim(
-        &mut self,
-        needed: u32,
-        prefer: &[u64],
-        base: &[(u64, u32)],
-    ) -> std::result::Result<(), u32> {
+    fn reclaim(&mut self, needed: u32, prefer: &[u64], base: &[(u64, u32)]) -> std::result::Result<(), u32> {
         let (actions, free_after) = self.plan_pressure(needed, prefer, base);
         if free_after < needed as i64 {
             return Err((needed as i64 - free_after) as u32);
         }
-        self.apply_pressure(&actions)
-            .expect("pressure actions were checked in the dry run");
+        self.apply_pressure(&actions).expect("pressure actions were checked in the dry run");
         Ok(())
     }
 
@@ -519,10 +472,7 @@ impl ResidencyManager {
             ));
         }
         if prefix_hashes.len() as u64 * self.cfg.block_size as u64 > max_len as u64 {
-            return invalid(format!(
-                "{} page hashes exceed max_len {max_len}",
-                prefix_hashes.len()
-            ));
+            return invalid(format!("{} page hashes exceed max_len {max_len}", prefix_hashes.len()));
         }
         let host_need = max_len.div_ceil(self.cfg.block_size) as u64;
         if self.host.reserved() + host_need > self.host.num_blocks() as u64 {
@@ -550,11 +500,7 @@ impl ResidencyManager {
         let pages: Vec<Page> = hits
             .iter()
             .zip(prefix_hashes)
-            .map(|(&host, &hash)| Page {
-                state: PageState::HostOnly { host },
-                hash: Some(hash),
-                heat: 0,
-            })
+            .map(|(&host, &hash)| Page { state: PageState::HostOnly { host }, hash: Some(hash), heat: 0 })
             .collect();
         let order = self.next_order;
         let request = Request {
@@ -622,10 +568,7 @@ impl ResidencyManager {
                 resource: Resource::RequestSlots,
                 needed: 1,
                 available: 0,
-                message: format!(
-                    "all {} request slots are running; raise max_running",
-                    self.cfg.max_running
-                ),
+                message: format!("all {} request slots are running; raise max_running", self.cfg.max_running),
             });
         };
         let r = self.req(id)?;
@@ -639,9 +582,7 @@ impl ResidencyManager {
             .filter_map(|(i, p)| Some((i as u32, self.pool.lookup(p.hash?)?)))
             .collect();
         let adopted: HashSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
-        let restores = (tail_start..n)
-            .filter(|&p| !adopted.contains(&(p as u32)))
-            .count() as u32;
+        let restores = (tail_start..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
         let needs_hot = (0..tail_start as u32).any(|p| !adopted.contains(&p));
         let needed = restores + if needs_hot { self.hot_cost() } else { 0 };
         // Adopted blocks leave the free list: take them out of the count before reclaiming.
@@ -668,9 +609,7 @@ impl ResidencyManager {
         self.pending.seq_lens.push(id);
         self.pending.hot_rows.push(id);
         // The row is fresh: every page's entry goes out, host-only ones included.
-        self.pending
-            .pages
-            .extend((0..n as u32).map(|page| (id, page)));
+        self.pending.pages.extend((0..n as u32).map(|page| (id, page)));
         for (page, block) in adopt {
             let state = self.req(id)?.pages[page as usize].state.restore(block)?;
             self.set_page(id, page, state)?;
@@ -680,11 +619,7 @@ impl ResidencyManager {
             if let PageState::HostOnly { host } = state {
                 let block = self.take_block()?;
                 self.set_page(id, page as u32, state.restore(block)?)?;
-                self.pending.restores.push(PageCopy {
-                    transfer: 0,
-                    gpu_block: block,
-                    host_block: host,
-                });
+                self.pending.restores.push(PageCopy { transfer: 0, gpu_block: block, host_block: host });
                 self.stats.total_restored += 1;
             }
         }
@@ -692,11 +627,7 @@ impl ResidencyManager {
             self.lease_hot(id)?;
         }
         let r = self.req(id)?;
-        Ok(Admission {
-            row,
-            cached_tokens: r.seq_len,
-            residency: r.residency(self.cfg.tail_pages),
-        })
+        Ok(Admission { row, cached_tokens: r.seq_len, residency: r.residency(self.cfg.tail_pages) })
     }
 
     // ----------------------------------------------------------------------------------------------
@@ -710,9 +641,7 @@ impl ResidencyManager {
         for &(id, tokens) in scheduled {
             let r = self.req(id)?;
             if r.row().is_none() {
-                return invalid(format!(
-                    "request {id} is preempted: resume it before scheduling it"
-                ));
+                return invalid(format!("request {id} is preempted: resume it before scheduling it"));
             }
             if !seen.insert(id) {
                 return invalid(format!("request {id} is scheduled twice in one step"));
@@ -729,10 +658,7 @@ impl ResidencyManager {
         self.note_written()?;
         let prefer: Vec<u64> = scheduled.iter().map(|&(id, _)| id).collect();
         if let Err(missing) = self.reclaim(needed, &prefer, &self.fifo_stragglers()) {
-            return Ok(StepPlan {
-                missing_blocks: missing,
-                ..StepPlan::default()
-            });
+            return Ok(StepPlan { missing_blocks: missing, ..StepPlan::default() });
         }
         for &(id, tokens) in scheduled {
             self.grow(id, tokens)?;
@@ -740,10 +666,7 @@ impl ResidencyManager {
         self.last_scheduled = prefer;
         self.relieve()?;
         let materialize = self.plan_materialize()?;
-        Ok(StepPlan {
-            materialize,
-            ..self.drain_pending()
-        })
+        Ok(StepPlan { materialize, ..self.drain_pending() })
     }
 
     /// Tokens of the previous plan are written now: queue the pages they completed for a host copy.
@@ -776,11 +699,7 @@ impl ResidencyManager {
         holders.sort_unstable();
         let mut pages = Vec::new();
         for (_, id) in holders {
-            let mut own: Vec<u32> = self.requests[&id]
-                .releasable
-                .iter()
-                .map(|&(_, p)| p)
-                .collect();
+            let mut own: Vec<u32> = self.requests[&id].releasable.iter().map(|&(_, p)| p).collect();
             own.sort_unstable_by(|a, b| b.cmp(a));
             pages.extend(own.into_iter().map(|page| (id, page)));
         }
@@ -798,11 +717,7 @@ impl ResidencyManager {
             let block = self.take_block()?;
             let r = self.req_mut(id)?;
             let hash = r.hashes.get(page).copied();
-            r.pages.push(Page {
-                state: PageState::Dirty { block },
-                hash,
-                heat: 0,
-            });
+            r.pages.push(Page { state: PageState::Dirty { block }, hash, heat: 0 });
             self.pending.pages.push((id, page as u32));
         }
         // Pages that just left the tail may now be released.
@@ -846,11 +761,8 @@ impl ResidencyManager {
                 .collect();
             for page in pages {
                 let state = self.req(id)?.pages[page as usize].state;
-                let PageState::Released { block, .. } = state else {
-                    unreachable!()
-                };
-                self.pool
-                    .remove_reader(block, Reader { request: id, page })?;
+                let PageState::Released { block, .. } = state else { unreachable!() };
+                self.pool.remove_reader(block, Reader { request: id, page })?;
                 self.pool.pin(block);
                 self.set_page(id, page, state.repin()?)?;
             }
@@ -889,17 +801,10 @@ impl ResidencyManager {
             let transfer = self.next_transfer;
             self.next_transfer += 1;
             let state = p.state.start_copy(h, transfer)?;
-            let PageState::Copying { block, .. } = state else {
-                unreachable!()
-            };
+            let PageState::Copying { block, .. } = state else { unreachable!() };
             self.set_page(id, page, state)?;
-            self.copies
-                .insert(transfer, CopyOwner::Page { request: id, page });
-            out.push(PageCopy {
-                transfer,
-                gpu_block: block,
-                host_block: h,
-            });
+            self.copies.insert(transfer, CopyOwner::Page { request: id, page });
+            out.push(PageCopy { transfer, gpu_block: block, host_block: h });
             self.stats.total_materialized += 1;
         }
         Ok(out)
@@ -943,10 +848,7 @@ impl ResidencyManager {
                 };
                 let Some(row) = r.row() else { continue };
                 if hot {
-                    plan.hot_updates.push(HotUpdate {
-                        row,
-                        blocks: r.hot.clone().unwrap_or_default(),
-                    });
+                    plan.hot_updates.push(HotUpdate { row, blocks: r.hot.clone().unwrap_or_default() });
                 } else {
                     plan.seq_lens.push((row, r.seq_len));
                 }
@@ -964,9 +866,7 @@ impl ResidencyManager {
         let mut seen = HashSet::with_capacity(transfers.len());
         for t in transfers {
             if !self.copies.contains_key(t) || !seen.insert(*t) {
-                return invalid(format!(
-                    "transfer {t} is not in flight (unknown, or completed already)"
-                ));
+                return invalid(format!("transfer {t} is not in flight (unknown, or completed already)"));
             }
         }
         for t in transfers {
@@ -990,9 +890,7 @@ impl ResidencyManager {
         let p = &self.req(id)?.pages[page as usize];
         let (state, hash) = (p.state, p.hash);
         let PageState::Copying { block, host, .. } = state else {
-            return invariant(format!(
-                "request {id} page {page} finished a copy it never started"
-            ));
+            return invariant(format!("request {id} page {page} finished a copy it never started"));
         };
         if !ok {
             self.host.decref(host)?;
@@ -1007,10 +905,7 @@ impl ResidencyManager {
                 Some(existing) => {
                     self.host.incref(existing);
                     self.host.decref(host)?;
-                    clean = PageState::Clean {
-                        block,
-                        host: existing,
-                    };
+                    clean = PageState::Clean { block, host: existing };
                 }
                 None => self.pool.publish(block, hash),
             }
@@ -1023,11 +918,7 @@ impl ResidencyManager {
     pub fn report_heat(&mut self, id: u64, heat: &[u32]) -> Result<()> {
         let r = self.req(id)?;
         if heat.len() > r.pages.len() {
-            return invalid(format!(
-                "{} heat values for a request of {} pages",
-                heat.len(),
-                r.pages.len()
-            ));
+            return invalid(format!("{} heat values for a request of {} pages", heat.len(), r.pages.len()));
         }
         let r = self.requests.get_mut(&id).expect("checked");
         for (i, &h) in heat.iter().enumerate().filter(|(_, &h)| h > 0) {
@@ -1052,8 +943,7 @@ impl ResidencyManager {
     pub fn finish(&mut self, id: u64) -> Result<()> {
         self.drop_pages(id, 0)?;
         let r = self.requests.remove(&id).expect("checked by drop_pages");
-        self.host
-            .unreserve(r.max_len.div_ceil(self.cfg.block_size) as u64);
+        self.host.unreserve(r.max_len.div_ceil(self.cfg.block_size) as u64);
         Ok(())
     }
 
@@ -1064,11 +954,7 @@ impl ResidencyManager {
         if r.row().is_none() {
             return invalid(format!("request {id} is already preempted"));
         }
-        let kept = r
-            .pages
-            .iter()
-            .take_while(|p| p.state.durable_host().is_some())
-            .count() as u32;
+        let kept = r.pages.iter().take_while(|p| p.state.durable_host().is_some()).count() as u32;
         self.drop_pages(id, kept)?;
         for page in 0..kept {
             let state = self.req(id)?.pages[page as usize].state;
@@ -1078,8 +964,7 @@ impl ResidencyManager {
                     state.release()?.lose_block()?
                 }
                 PageState::Released { block, .. } => {
-                    self.pool
-                        .remove_reader(block, Reader { request: id, page })?;
+                    self.pool.remove_reader(block, Reader { request: id, page })?;
                     state.lose_block()?
                 }
                 _ => state,
@@ -1108,37 +993,20 @@ impl ResidencyManager {
             self.req_mut(id)?.pages.truncate(from as usize);
             return Ok(());
         };
-        let dropped: Vec<(u32, Page)> = r
-            .pages
-            .iter()
-            .enumerate()
-            .skip(from as usize)
-            .map(|(i, p)| (i as u32, p.clone()))
-            .collect();
+        let dropped: Vec<(u32, Page)> =
+            r.pages.iter().enumerate().skip(from as usize).map(|(i, p)| (i as u32, p.clone())).collect();
         for (page, p) in dropped {
             match p.state {
                 PageState::Dirty { block } => self.pool.unpin(block)?,
-                PageState::Copying {
-                    block,
-                    host,
-                    transfer,
-                } => {
-                    self.copies.insert(
-                        transfer,
-                        CopyOwner::Orphan {
-                            block,
-                            host,
-                            hash: p.hash,
-                        },
-                    );
+                PageState::Copying { block, host, transfer } => {
+                    self.copies.insert(transfer, CopyOwner::Orphan { block, host, hash: p.hash });
                 }
                 PageState::Clean { block, host } => {
                     self.pool.unpin(block)?;
                     self.host.decref(host)?;
                 }
                 PageState::Released { block, host } => {
-                    self.pool
-                        .remove_reader(block, Reader { request: id, page })?;
+                    self.pool.remove_reader(block, Reader { request: id, page })?;
                     self.host.decref(host)?;
                 }
                 PageState::HostOnly { host } => self.host.decref(host)?,
@@ -1148,11 +1016,7 @@ impl ResidencyManager {
         let r = self.req_mut(id)?;
         r.pages.truncate(from as usize);
         r.host_only = r.pages.iter().filter(|p| p.state.is_host_only()).count() as u32;
-        r.released = r
-            .pages
-            .iter()
-            .filter(|p| matches!(p.state, PageState::Released { .. }))
-            .count() as u32;
+        r.released = r.pages.iter().filter(|p| matches!(p.state, PageState::Released { .. })).count() as u32;
         r.releasable.retain(|&(_, page)| page < from);
         r.status = Status::Preempted;
         self.free_rows.push(row);
@@ -1188,12 +1052,7 @@ impl ResidencyManager {
             .req(id)?
             .pages
             .iter()
-            .map(|p| {
-                (
-                    p.state.table_entry().gpu_block,
-                    p.state.table_entry().host_block,
-                )
-            })
+            .map(|p| (p.state.table_entry().gpu_block, p.state.table_entry().host_block))
             .collect())
     }
 

@@ -36,22 +36,14 @@ impl World {
     }
 
     /// Applies a plan in the documented order, then writes the step's new tokens.
-    fn apply(
-        &mut self,
-        m: &ResidencyManager,
-        plan: &StepPlan,
-        scheduled: &[(u64, u32)],
-        old_lens: &[u32],
-    ) {
+    fn apply(&mut self, m: &ResidencyManager, plan: &StepPlan, scheduled: &[(u64, u32)], old_lens: &[u32]) {
         let pages = m.config().max_pages() as usize;
         for &row in &plan.cleared_rows {
             self.tables.insert(row, vec![(0, -1); pages]);
             self.hot.remove(&row);
         }
         for u in &plan.table_updates {
-            self.tables
-                .entry(u.row)
-                .or_insert_with(|| vec![(0, -1); pages])[u.page as usize] =
+            self.tables.entry(u.row).or_insert_with(|| vec![(0, -1); pages])[u.page as usize] =
                 (u.gpu_block, u.host_block);
         }
         for h in &plan.hot_updates {
@@ -69,10 +61,7 @@ impl World {
             let row = m.request_info(id).unwrap().row.unwrap();
             for page in old / bs..(old + tokens).div_ceil(bs) {
                 let block = self.tables[&row][page as usize].0;
-                assert_ne!(
-                    block, 0,
-                    "request {id} writes page {page} through the null block"
-                );
+                assert_ne!(block, 0, "request {id} writes page {page} through the null block");
                 self.gpu[block as usize] = Some(tag(self, id, page));
             }
         }
@@ -86,26 +75,12 @@ impl World {
             let Some(row) = info.row else { continue };
             let table = m.block_table(id).unwrap();
             let mirrored = self.tables.get(&row).map_or(&[][..], |t| &t[..table.len()]);
-            assert_eq!(
-                mirrored,
-                &table[..],
-                "request {id}: plan-built table differs"
-            );
-            assert_eq!(
-                self.hot.get(&row).cloned().unwrap_or_default(),
-                m.hot_blocks(id).unwrap()
-            );
+            assert_eq!(mirrored, &table[..], "request {id}: plan-built table differs");
+            assert_eq!(self.hot.get(&row).cloned().unwrap_or_default(), m.hot_blocks(id).unwrap());
             for (page, &(gpu, host)) in table.iter().enumerate() {
                 let want = Some(tag(self, id, page as u32));
-                let got = if gpu != 0 {
-                    self.gpu[gpu as usize]
-                } else {
-                    self.host[host as usize]
-                };
-                assert_eq!(
-                    got, want,
-                    "request {id} page {page} (gpu {gpu}, host {host}) lost its content"
-                );
+                let got = if gpu != 0 { self.gpu[gpu as usize] } else { self.host[host as usize] };
+                assert_eq!(got, want, "request {id} page {page} (gpu {gpu}, host {host}) lost its content");
             }
         }
     }
@@ -113,19 +88,9 @@ impl World {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit {
-        family: u64,
-        prompt: u32,
-        extra: u32,
-    },
-    Step {
-        mask: u8,
-        tokens: u32,
-    },
-    Complete {
-        pick: u8,
-        ok: bool,
-    },
+    Admit { family: u64, prompt: u32, extra: u32 },
+    Step { mask: u8, tokens: u32 },
+    Complete { pick: u8, ok: bool },
     Finish(usize),
     Preempt(usize),
     Resume(usize),
@@ -151,17 +116,12 @@ fn run(cfg: Config, ops: Vec<Op>) {
     for op in ops {
         let ids = m.request_ids();
         match op {
-            Op::Admit {
-                family,
-                prompt,
-                extra,
-            } => {
+            Op::Admit { family, prompt, extra } => {
                 let id = next_id;
                 next_id += 1;
                 // Requests of one family share their prompt's page hashes (a common prefix).
-                let hashes: Vec<u64> = (0..prompt / cfg.block_size)
-                    .map(|p| family * 1000 + p as u64 + 1)
-                    .collect();
+                let hashes: Vec<u64> =
+                    (0..prompt / cfg.block_size).map(|p| family * 1000 + p as u64 + 1).collect();
                 w.hashes.insert(id, hashes.clone());
                 match m.admit(id, prompt, &hashes, Some(prompt + extra + 8)) {
                     Ok(a) => assert!(a.cached_tokens < prompt),
@@ -203,9 +163,7 @@ fn run(cfg: Config, ops: Vec<Op>) {
                     .collect();
                 w.in_flight.retain(|t| !chosen.contains(t));
                 m.complete(&chosen, ok).unwrap();
-                assert!(
-                    m.complete(&chosen[..chosen.len().min(1)], ok).is_err() || chosen.is_empty()
-                );
+                assert!(m.complete(&chosen[..chosen.len().min(1)], ok).is_err() || chosen.is_empty());
             }
             Op::Finish(i) if !ids.is_empty() => m.finish(ids[i % ids.len()]).unwrap(),
             Op::Preempt(i) if !ids.is_empty() => {
@@ -215,9 +173,7 @@ fn run(cfg: Config, ops: Vec<Op>) {
             Op::Resume(i) if !ids.is_empty() => {
                 let id = ids[i % ids.len()];
                 match m.resume(id) {
-                    Ok(_)
-                    | Err(CoreError::Capacity { .. })
-                    | Err(CoreError::InvalidArgument(_)) => {}
+                    Ok(_) | Err(CoreError::Capacity { .. }) | Err(CoreError::InvalidArgument(_)) => {}
                     Err(e) => panic!("resume failed: {e}"),
                 }
             }
@@ -229,8 +185,7 @@ fn run(cfg: Config, ops: Vec<Op>) {
             }
             _ => {}
         }
-        m.check_invariants()
-            .unwrap_or_else(|e| panic!("after {op:?}: {e}"));
+        m.check_invariants().unwrap_or_else(|e| panic!("after {op:?}: {e}"));
     }
 }
 
@@ -272,9 +227,7 @@ fn decode(m: &mut ResidencyManager, ids: &[u64], tokens: u32, steps: usize) -> V
 #[test]
 fn config_refuses_a_host_pool_smaller_than_one_request() {
     let err = ResidencyManager::new(test_config(24, 15)).err().unwrap();
-    let CoreError::Config(msg) = err else {
-        panic!("{err:?}")
-    };
+    let CoreError::Config(msg) = err else { panic!("{err:?}") };
     assert!(msg.contains("raise host_pool_gib"), "{msg}");
 }
 
@@ -288,17 +241,11 @@ fn pressure_moves_requests_to_mixed_residency() {
     assert!(plans.iter().all(|p| !p.is_short()));
     let transitions: Vec<_> = plans.iter().flat_map(|p| p.transitions.clone()).collect();
     assert!(
-        transitions
-            .iter()
-            .any(|t| t.from == Residency::Full && t.to != Residency::Full),
+        transitions.iter().any(|t| t.from == Residency::Full && t.to != Residency::Full),
         "{transitions:?}"
     );
     assert!(plans.iter().map(|p| p.released_pages).sum::<u32>() > 0);
-    assert!(
-        m.stats().mixed + m.stats().none >= 1,
-        "{}",
-        m.capacity_log()
-    );
+    assert!(m.stats().mixed + m.stats().none >= 1, "{}", m.capacity_log());
     m.finish(2).unwrap();
     decode(&mut m, &[1], 0, 1);
 }
@@ -342,11 +289,7 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     assert_eq!(a.residency, Residency::None);
     assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
     let plan = m.plan_step(&[(4, 1)]).unwrap();
-    assert_eq!(
-        plan.restores.len(),
-        2,
-        "the tail pages come back from the host"
-    );
+    assert_eq!(plan.restores.len(), 2, "the tail pages come back from the host");
     m.check_invariants().unwrap();
 }
 
@@ -369,34 +312,13 @@ fn preempted_request_resumes_from_host_without_recompute() {
 fn bad_input_is_refused_and_changes_nothing() {
     let mut m = small();
     m.admit(1, 4, &[], None).unwrap();
-    assert!(matches!(
-        m.admit(1, 4, &[], None),
-        Err(CoreError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        m.admit(2, 0, &[], None),
-        Err(CoreError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        m.plan_step(&[(9, 1)]),
-        Err(CoreError::UnknownRequest(9))
-    ));
-    assert!(matches!(
-        m.plan_step(&[(1, 1), (1, 1)]),
-        Err(CoreError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        m.plan_step(&[(1, 1000)]),
-        Err(CoreError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        m.complete(&[77], true),
-        Err(CoreError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        m.report_heat(1, &[1, 2, 3]),
-        Err(CoreError::InvalidArgument(_))
-    ));
+    assert!(matches!(m.admit(1, 4, &[], None), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.admit(2, 0, &[], None), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.plan_step(&[(9, 1)]), Err(CoreError::UnknownRequest(9))));
+    assert!(matches!(m.plan_step(&[(1, 1), (1, 1)]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.plan_step(&[(1, 1000)]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.complete(&[77], true), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.report_heat(1, &[1, 2, 3]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.finish(5), Err(CoreError::UnknownRequest(5))));
     m.check_invariants().unwrap();
 }
@@ -407,10 +329,7 @@ fn admission_names_the_binding_resource() {
     m.admit(1, 4, &[], Some(64)).unwrap();
     m.admit(2, 4, &[], Some(64)).unwrap();
     match m.admit(3, 4, &[], Some(64)) {
-        Err(CoreError::Capacity {
-            resource: Resource::HostBlocks,
-            ..
-        }) => {}
+        Err(CoreError::Capacity { resource: Resource::HostBlocks, .. }) => {}
         other => panic!("{other:?}"),
     }
     let mut m = ResidencyManager::new(test_config(14, 400)).unwrap();
@@ -419,10 +338,7 @@ fn admission_names_the_binding_resource() {
         m.admit(id, 4, &[], Some(16)).unwrap();
     }
     match m.admit(3, 4, &[], Some(16)) {
-        Err(CoreError::Capacity {
-            resource: Resource::GpuBlocks,
-            ..
-        }) => {}
+        Err(CoreError::Capacity { resource: Resource::GpuBlocks, .. }) => {}
         other => panic!("{other:?}"),
     }
 }

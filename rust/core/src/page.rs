@@ -22,11 +22,7 @@ pub enum PageState {
     /// On the GPU only (the page being written, or a complete page not yet copied).
     Dirty { block: BlockId },
     /// A copy to the host is in flight; the block stays pinned until it ends.
-    Copying {
-        block: BlockId,
-        host: HostBlockId,
-        transfer: TransferId,
-    },
+    Copying { block: BlockId, host: HostBlockId, transfer: TransferId },
     /// On the GPU and durably on the host; pinned.
     Clean { block: BlockId, host: HostBlockId },
     /// Durably on the host, still read in place on the GPU, but the pool counts the block free.
@@ -83,10 +79,7 @@ impl PageState {
             | PageState::Released { block, .. } => block,
             PageState::HostOnly { .. } => 0,
         };
-        TableEntry {
-            gpu_block,
-            host_block: self.durable_host().map_or(-1, |h| h as i32),
-        }
+        TableEntry { gpu_block, host_block: self.durable_host().map_or(-1, |h| h as i32) }
     }
 
     pub fn is_host_only(&self) -> bool {
@@ -94,19 +87,12 @@ impl PageState {
     }
 
     fn illegal<T>(&self, transition: &str) -> Result<T> {
-        invariant(format!(
-            "illegal page transition {transition} from {}",
-            self.name()
-        ))
+        invariant(format!("illegal page transition {transition} from {}", self.name()))
     }
 
     pub fn start_copy(self, host: HostBlockId, transfer: TransferId) -> Result<Self> {
         match self {
-            PageState::Dirty { block } => Ok(PageState::Copying {
-                block,
-                host,
-                transfer,
-            }),
+            PageState::Dirty { block } => Ok(PageState::Copying { block, host, transfer }),
             _ => self.illegal("start_copy"),
         }
     }
@@ -189,27 +175,12 @@ mod tests {
     fn the_whole_cycle_and_a_refusal() {
         let p = PageState::Dirty { block: 5 };
         let p = p.start_copy(9, 1).unwrap();
-        assert_eq!(
-            p.table_entry(),
-            TableEntry {
-                gpu_block: 5,
-                host_block: -1
-            }
-        );
+        assert_eq!(p.table_entry(), TableEntry { gpu_block: 5, host_block: -1 });
         let p = p.copy_done().unwrap().release().unwrap();
         assert_eq!(p.pinned_block(), None);
         let p = p.lose_block().unwrap();
-        assert_eq!(
-            p.table_entry(),
-            TableEntry {
-                gpu_block: 0,
-                host_block: 9
-            }
-        );
+        assert_eq!(p.table_entry(), TableEntry { gpu_block: 0, host_block: 9 });
         assert!(p.release().is_err());
-        assert_eq!(
-            p.restore(6).unwrap(),
-            PageState::Clean { block: 6, host: 9 }
-        );
+        assert_eq!(p.restore(6).unwrap(), PageState::Clean { block: 6, host: 9 });
     }
 }

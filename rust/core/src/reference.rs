@@ -80,17 +80,11 @@ impl ResolveState<'_> {
         check_len("status", self.status.len(), s)?;
         check_len("counters", self.counters.len(), 3)?;
         if geo.block_size == 0 || geo.row_bytes == 0 || geo.row_bytes % 16 != 0 {
-            return invalid(format!(
-                "row_bytes ({}) must be a positive multiple of 16",
-                geo.row_bytes
-            ));
+            return invalid(format!("row_bytes ({}) must be a positive multiple of 16", geo.row_bytes));
         }
         for (r, &len) in self.seq_lens.iter().enumerate() {
             if len < 0 || len as usize > p * geo.block_size {
-                return invalid(format!(
-                    "seq_lens[{r}] = {len} is outside 0..={}",
-                    p * geo.block_size
-                ));
+                return invalid(format!("seq_lens[{r}] = {len} is outside 0..={}", p * geo.block_size));
             }
         }
         Ok(s)
@@ -110,10 +104,7 @@ fn slab_rows(layers: &[LayerSlabs<'_>], geo: &Geometry) -> Result<(usize, usize)
         }
         Ok(len / geo.row_bytes)
     };
-    let (g, h) = (
-        rows(first.gpu.len(), "GPU")?,
-        rows(first.host.len(), "host")?,
-    );
+    let (g, h) = (rows(first.gpu.len(), "GPU")?, rows(first.host.len(), "host")?);
     for l in layers {
         if rows(l.gpu.len(), "GPU")? != g || rows(l.host.len(), "host")? != h {
             return invalid("every layer's slab must have the same number of rows");
@@ -122,26 +113,29 @@ fn slab_rows(layers: &[LayerSlabs<'_>], geo: &Geometry) -> Result<(usize, usize)
     Ok((g, h))
 }
 
+/// One resolver launch's input: `topk` is `[rows, top_k]`, `row_state` `[rows]` (-1: padding row).
+pub struct Batch<'a> {
+    pub topk: &'a [i32],
+    pub top_k: usize,
+    pub row_state: &'a [i32],
+}
+
 /// `resolve` of SPEC.md for group `group`; `layers` are that group's layers (their hot rows are filled).
 pub fn resolve(
     geo: &Geometry,
     st: &mut ResolveState<'_>,
-    topk: &[i32],
-    top_k: usize,
-    row_state: &[i32],
+    batch: &Batch<'_>,
     group: usize,
     layers: &mut [LayerSlabs<'_>],
     out: &mut [i32],
 ) -> Result<()> {
+    let Batch { topk, top_k, row_state } = *batch;
     let s = st.validate(geo)?;
     let rows = row_state.len();
     check_len("topk", topk.len(), rows * top_k)?;
     check_len("row_ids", out.len(), rows * top_k)?;
     if group >= geo.groups {
-        return invalid(format!(
-            "group {group} out of range (groups = {})",
-            geo.groups
-        ));
+        return invalid(format!("group {group} out of range (groups = {})", geo.groups));
     }
     let (gpu_rows, host_rows) = slab_rows(layers, geo)?;
     // Batch rows of each request, requests in order of their first row.
@@ -161,9 +155,7 @@ pub fn resolve(
     }
     let mut outcomes = Vec::with_capacity(by_state.len());
     for (r, batch_rows) in &by_state {
-        outcomes.push(resolve_request(
-            geo, st, topk, top_k, *r, batch_rows, group, gpu_rows, host_rows,
-        )?);
+        outcomes.push(resolve_request(geo, st, topk, top_k, *r, batch_rows, group, gpu_rows, host_rows)?);
     }
     // Everything checked: write.
     out.fill(-1);
@@ -236,9 +228,7 @@ fn resolve_request(
             if block != 0 {
                 let row = block as usize * bs + off;
                 if block < 0 || row >= gpu_rows {
-                    return invalid(format!(
-                        "block_table[{r}, {page}] = {block} is outside the GPU slab"
-                    ));
+                    return invalid(format!("block_table[{r}, {page}] = {block} is outside the GPU slab"));
                 }
                 outcome.outputs.push((flat, row as i32));
             } else {
@@ -256,9 +246,7 @@ fn resolve_request(
     let hot_blocks = &st.hot_blocks[r * hb..(r + 1) * hb];
     let fail = |outcome: &mut RequestOutcome, status: i32| {
         outcome.status |= status;
-        outcome
-            .outputs
-            .extend(unresolved.iter().map(|&(flat, _)| (flat, -1)));
+        outcome.outputs.extend(unresolved.iter().map(|&(flat, _)| (flat, -1)));
     };
     if union.len() > h || hot_blocks[0] == 0 {
         fail(&mut outcome, STATUS_OVERFLOW);
@@ -266,9 +254,7 @@ fn resolve_request(
     }
     for (i, &b) in hot_blocks.iter().enumerate() {
         if b <= 0 || (b as usize + 1) * bs > gpu_rows {
-            return invalid(format!(
-                "hot_blocks[{r}, {i}] = {b} is outside the GPU slab"
-            ));
+            return invalid(format!("hot_blocks[{r}, {i}] = {b} is outside the GPU slab"));
         }
     }
     let base = (r * geo.groups + group) * h;
@@ -283,16 +269,10 @@ fn resolve_request(
     let mut lru_seen = vec![false; h];
     for &slot in hot_lru {
         if slot < 0 || slot as usize >= h || std::mem::replace(&mut lru_seen[slot as usize], true) {
-            return invalid(format!(
-                "hot_lru[{r}, {group}] is not a permutation of 0..{h}"
-            ));
+            return invalid(format!("hot_lru[{r}, {group}] is not a permutation of 0..{h}"));
         }
     }
-    let misses: Vec<i32> = union
-        .iter()
-        .copied()
-        .filter(|pos| !slot_of.contains_key(pos))
-        .collect();
+    let misses: Vec<i32> = union.iter().copied().filter(|pos| !slot_of.contains_key(pos)).collect();
     let mut hosts = Vec::with_capacity(misses.len());
     for &pos in &misses {
         let (page, off) = (pos as usize / bs, pos as usize % bs);
@@ -303,21 +283,14 @@ fn resolve_request(
         }
         let row = hblock as usize * bs + off;
         if row >= host_rows {
-            return invalid(format!(
-                "host_table[{r}, {page}] = {hblock} is outside the host pool"
-            ));
+            return invalid(format!("host_table[{r}, {page}] = {hblock} is outside the host pool"));
         }
         hosts.push(row);
     }
-    let hit_slots: std::collections::HashSet<usize> = union
-        .iter()
-        .filter_map(|pos| slot_of.get(pos).copied())
-        .collect();
-    let evictable: Vec<usize> = hot_lru
-        .iter()
-        .map(|&s| s as usize)
-        .filter(|s| !hit_slots.contains(s))
-        .collect();
+    let hit_slots: std::collections::HashSet<usize> =
+        union.iter().filter_map(|pos| slot_of.get(pos).copied()).collect();
+    let evictable: Vec<usize> =
+        hot_lru.iter().map(|&s| s as usize).filter(|s| !hit_slots.contains(s)).collect();
     let hot_row = |slot: usize| hot_blocks[slot / bs] as usize * bs + slot % bs;
     let mut new_pos = hot_pos.to_vec();
     for (k, &pos) in misses.iter().enumerate() {
@@ -329,16 +302,9 @@ fn resolve_request(
         slot_of.insert(pos, slot);
         outcome.copies.push((hot_row(slot), hosts[k]));
     }
-    let mut new_lru: Vec<i32> = evictable[misses.len()..]
-        .iter()
-        .map(|&s| s as i32)
-        .collect();
+    let mut new_lru: Vec<i32> = evictable[misses.len()..].iter().map(|&s| s as i32).collect();
     new_lru.extend(union.iter().map(|pos| slot_of[pos] as i32));
-    outcome.outputs.extend(
-        unresolved
-            .iter()
-            .map(|&(flat, pos)| (flat, hot_row(slot_of[&pos]) as i32)),
-    );
+    outcome.outputs.extend(unresolved.iter().map(|&(flat, pos)| (flat, hot_row(slot_of[&pos]) as i32)));
     outcome.hits = (union.len() - misses.len()) as i64;
     outcome.hot = Some((new_pos, new_lru));
     Ok(outcome)
@@ -389,9 +355,7 @@ pub fn copy_units(
                 continue;
             }
             if (g as usize + 1) * bytes > l.gpu.len() || (h as usize + 1) * bytes > l.host.len() {
-                return invalid(format!(
-                    "copy pair ({g}, {h}) is outside the slab or the host pool"
-                ));
+                return invalid(format!("copy pair ({g}, {h}) is outside the slab or the host pool"));
             }
         }
     }
@@ -403,12 +367,8 @@ pub fn copy_units(
             }
             let (g, h) = (g as usize * bytes, h as usize * bytes);
             match direction {
-                Direction::DeviceToHost => {
-                    l.host[h..h + bytes].copy_from_slice(&l.gpu[g..g + bytes])
-                }
-                Direction::HostToDevice => {
-                    l.gpu[g..g + bytes].copy_from_slice(&l.host[h..h + bytes])
-                }
+                Direction::DeviceToHost => l.host[h..h + bytes].copy_from_slice(&l.gpu[g..g + bytes]),
+                Direction::HostToDevice => l.gpu[g..g + bytes].copy_from_slice(&l.host[h..h + bytes]),
             }
         }
     }
@@ -416,12 +376,7 @@ pub fn copy_units(
 }
 
 /// `invalidate` of SPEC.md: pairs of (state row, position).
-pub fn invalidate(
-    geo: &Geometry,
-    hot_pos: &mut [i32],
-    hot_lru: &mut [i32],
-    pairs: &[i32],
-) -> Result<()> {
+pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_lru: &mut [i32], pairs: &[i32]) -> Result<()> {
     let h = geo.hot_rows;
     let rows = hot_pos.len() / (geo.groups * h).max(1);
     check_len("hot_lru", hot_lru.len(), hot_pos.len())?;
@@ -432,11 +387,7 @@ pub fn invalidate(
         return invalid(format!("state row {} is outside 0..{rows}", p[0]));
     }
     for r in 0..rows {
-        let targets: Vec<i32> = pairs
-            .chunks_exact(2)
-            .filter(|p| p[0] == r as i32)
-            .map(|p| p[1])
-            .collect();
+        let targets: Vec<i32> = pairs.chunks_exact(2).filter(|p| p[0] == r as i32).map(|p| p[1]).collect();
         if targets.is_empty() {
             continue;
         }
@@ -454,11 +405,7 @@ pub fn invalidate(
                 continue;
             }
             let lru = &mut hot_lru[base..base + h];
-            let rest: Vec<i32> = lru
-                .iter()
-                .copied()
-                .filter(|s| !emptied.contains(s))
-                .collect();
+            let rest: Vec<i32> = lru.iter().copied().filter(|s| !emptied.contains(s)).collect();
             lru[..emptied.len()].copy_from_slice(&emptied);
             lru[emptied.len()..].copy_from_slice(&rest);
         }

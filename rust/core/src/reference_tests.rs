@@ -20,13 +20,7 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
-        let geo = Geometry {
-            block_size: 2,
-            pages: 4,
-            hot_rows: 4,
-            groups: 1,
-            row_bytes: RB,
-        };
+        let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 1, row_bytes: RB };
         // Pages 1 and 3 resident in blocks 3 and 5; pages 0 and 2 host-only (host blocks 1 and 2).
         // Host row `x` holds bytes equal to 100 + x.
         let host: Vec<u8> = (0..8 * RB).map(|i| 100 + (i / RB) as u8).collect();
@@ -59,20 +53,9 @@ impl Fixture {
             counters: &mut self.counters,
         };
         let mut out = vec![7; topk.len()];
-        let mut layers = [LayerSlabs {
-            gpu: &mut self.gpu,
-            host: &mut self.host,
-        }];
-        resolve(
-            &self.geo,
-            &mut st,
-            topk,
-            top_k,
-            row_state,
-            0,
-            &mut layers,
-            &mut out,
-        )?;
+        let mut layers = [LayerSlabs { gpu: &mut self.gpu, host: &mut self.host }];
+        let batch = Batch { topk, top_k, row_state };
+        resolve(&self.geo, &mut st, &batch, 0, &mut layers, &mut out)?;
         Ok(out)
     }
 }
@@ -121,15 +104,8 @@ fn overflow_and_missing_host_copy_fail_without_changing_state() {
     let out = f.resolve(&[0, 1, 2, 3, 4], 5, &[0]).unwrap();
     assert_eq!(out, vec![-1; 5]);
     assert_eq!(f.status, vec![STATUS_OVERFLOW]);
-    assert_eq!(
-        (f.hot_pos.clone(), f.counters.clone()),
-        (vec![-1; 4], vec![0; 3])
-    );
-    assert_eq!(
-        f.heat,
-        vec![2, 2, 1, 0],
-        "heat counts even when the request fails"
-    );
+    assert_eq!((f.hot_pos.clone(), f.counters.clone()), (vec![-1; 4], vec![0; 3]));
+    assert_eq!(f.heat, vec![2, 2, 1, 0], "heat counts even when the request fails");
     // Page 3 has no host copy.
     let out = f.resolve(&[6, 0], 2, &[0]).unwrap();
     assert_eq!(out, vec![-1, -1]);
@@ -143,21 +119,12 @@ fn bad_tables_are_refused_before_any_write() {
     f.block_table[1] = 99;
     assert!(f.resolve(&[0, 2], 2, &[0]).is_err());
     assert_eq!(f.heat, vec![0; 4]);
-    assert!(
-        f.resolve(&[0], 1, &[1]).is_err(),
-        "row_state beyond the state rows"
-    );
+    assert!(f.resolve(&[0], 1, &[1]).is_err(), "row_state beyond the state rows");
 }
 
 #[test]
 fn invalidate_moves_emptied_slots_to_the_front() {
-    let geo = Geometry {
-        block_size: 2,
-        pages: 4,
-        hot_rows: 4,
-        groups: 1,
-        row_bytes: RB,
-    };
+    let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 1, row_bytes: RB };
     let mut pos = vec![7, 3, 9, 1];
     let mut lru = vec![2, 0, 3, 1];
     invalidate(&geo, &mut pos, &mut lru, &[0, 1, 0, 9, -1, 3]).unwrap();
@@ -169,10 +136,7 @@ fn invalidate_moves_emptied_slots_to_the_front() {
 fn copies_and_gather_move_whole_rows() {
     let mut gpu = vec![0u8; 4 * RB];
     let mut host: Vec<u8> = (0..4 * RB).map(|i| (i / RB) as u8 + 1).collect();
-    let mut layers = [LayerSlabs {
-        gpu: &mut gpu,
-        host: &mut host,
-    }];
+    let mut layers = [LayerSlabs { gpu: &mut gpu, host: &mut host }];
     copy_units(&[1, 0, -1, 3], 2, RB, Direction::HostToDevice, &mut layers).unwrap();
     assert!(copy_units(&[2, 0], 2, RB, Direction::HostToDevice, &mut layers).is_err());
     let mut dense = vec![9u8; 3 * RB];

@@ -8,7 +8,7 @@ use std::slice;
 
 use hisparse_core::manager::RequestInfo;
 use hisparse_core::plan::StepPlan as CoreStepPlan;
-use hisparse_core::reference::{self, Direction, Geometry, LayerSlabs, ResolveState};
+use hisparse_core::reference::{self, Batch, Direction, Geometry, LayerSlabs, ResolveState};
 use hisparse_core::{Config, CoreError, PressurePolicy, Resource};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -27,12 +27,7 @@ fn to_pyerr(e: CoreError) -> PyErr {
             let cls = py.import("hisparse.errors")?.getattr(class)?;
             let err = cls.call1((e.to_string(),))?;
             match &e {
-                CoreError::Capacity {
-                    resource,
-                    needed,
-                    available,
-                    ..
-                } => {
+                CoreError::Capacity { resource, needed, available, .. } => {
                     let name = match resource {
                         Resource::GpuBlocks => "gpu",
                         Resource::HostBlocks => "host",
@@ -109,38 +104,22 @@ impl StepPlan {
     /// (row, page, gpu_block or 0, host_block or -1)
     #[getter]
     fn table_updates(&self) -> Vec<(u32, u32, u32, i32)> {
-        self.inner
-            .table_updates
-            .iter()
-            .map(|u| (u.row, u.page, u.gpu_block, u.host_block))
-            .collect()
+        self.inner.table_updates.iter().map(|u| (u.row, u.page, u.gpu_block, u.host_block)).collect()
     }
     /// (row, blocks); empty blocks: the row holds no hot region any more.
     #[getter]
     fn hot_updates(&self) -> Vec<(u32, Vec<u32>)> {
-        self.inner
-            .hot_updates
-            .iter()
-            .map(|h| (h.row, h.blocks.clone()))
-            .collect()
+        self.inner.hot_updates.iter().map(|h| (h.row, h.blocks.clone())).collect()
     }
     /// (gpu_block, host_block) pages to copy host -> GPU before the forward.
     #[getter]
     fn restores(&self) -> Vec<(u32, u32)> {
-        self.inner
-            .restores
-            .iter()
-            .map(|c| (c.gpu_block, c.host_block))
-            .collect()
+        self.inner.restores.iter().map(|c| (c.gpu_block, c.host_block)).collect()
     }
     /// (transfer_id, gpu_block, host_block) pages to copy GPU -> host; report each through `complete`.
     #[getter]
     fn materialize(&self) -> Vec<(u64, u32, u32)> {
-        self.inner
-            .materialize
-            .iter()
-            .map(|c| (c.transfer, c.gpu_block, c.host_block))
-            .collect()
+        self.inner.materialize.iter().map(|c| (c.transfer, c.gpu_block, c.host_block)).collect()
     }
     #[getter]
     fn transfer_ids(&self) -> Vec<u64> {
@@ -149,11 +128,7 @@ impl StepPlan {
     /// (request_id, from, to) residency changes.
     #[getter]
     fn transitions(&self) -> Vec<(u64, &'static str, &'static str)> {
-        self.inner
-            .transitions
-            .iter()
-            .map(|t| (t.request, t.from.name(), t.to.name()))
-            .collect()
+        self.inner.transitions.iter().map(|t| (t.request, t.from.name(), t.to.name())).collect()
     }
     #[getter]
     fn released_pages(&self) -> u32 {
@@ -229,23 +204,12 @@ impl ResidencyManager {
                 (gib * (1u64 << 30) as f64 / page_bytes as f64) as u32
             }
             (None, Some(_)) => {
-                return Err(config_err(
-                    "host_pool_gib needs a positive page_bytes and size".into(),
-                ))
+                return Err(config_err("host_pool_gib needs a positive page_bytes and size".into()))
             }
-            _ => {
-                return Err(config_err(
-                    "give exactly one of num_host_blocks and host_pool_gib".into(),
-                ))
-            }
+            _ => return Err(config_err("give exactly one of num_host_blocks and host_pool_gib".into())),
         };
-        let hot_rows =
-            hot_rows.unwrap_or_else(|| Config::default_hot_rows(top_k, speculative_tokens));
-        let hot_blocks = if block_size > 0 {
-            hot_rows.div_ceil(block_size)
-        } else {
-            0
-        };
+        let hot_rows = hot_rows.unwrap_or_else(|| Config::default_hot_rows(top_k, speculative_tokens));
+        let hot_blocks = if block_size > 0 { hot_rows.div_ceil(block_size) } else { 0 };
         let cfg = Config {
             num_gpu_blocks,
             num_host_blocks,
@@ -256,15 +220,12 @@ impl ResidencyManager {
             hot_rows,
             num_index_groups,
             tail_pages,
-            watermark: watermark
-                .unwrap_or_else(|| Config::default_watermark(num_gpu_blocks, hot_blocks)),
+            watermark: watermark.unwrap_or_else(|| Config::default_watermark(num_gpu_blocks, hot_blocks)),
             policy: policy.parse::<PressurePolicy>().py()?,
             materialize_budget,
             page_bytes,
         };
-        Ok(ResidencyManager {
-            inner: hisparse_core::ResidencyManager::new(cfg).py()?,
-        })
+        Ok(ResidencyManager { inner: hisparse_core::ResidencyManager::new(cfg).py()? })
     }
 
     #[pyo3(signature = (request_id, prompt_len, prefix_hashes = Vec::new(), max_len = None))]
@@ -276,26 +237,13 @@ impl ResidencyManager {
         prefix_hashes: Vec<u64>,
         max_len: Option<u32>,
     ) -> PyResult<Admission> {
-        let a = py
-            .detach(|| {
-                self.inner
-                    .admit(request_id, prompt_len, &prefix_hashes, max_len)
-            })
-            .py()?;
-        Ok(Admission {
-            row: a.row,
-            cached_tokens: a.cached_tokens,
-            residency: a.residency.name(),
-        })
+        let a = py.detach(|| self.inner.admit(request_id, prompt_len, &prefix_hashes, max_len)).py()?;
+        Ok(Admission { row: a.row, cached_tokens: a.cached_tokens, residency: a.residency.name() })
     }
 
     fn resume(&mut self, py: Python<'_>, request_id: u64) -> PyResult<Admission> {
         let a = py.detach(|| self.inner.resume(request_id)).py()?;
-        Ok(Admission {
-            row: a.row,
-            cached_tokens: a.cached_tokens,
-            residency: a.residency.name(),
-        })
+        Ok(Admission { row: a.row, cached_tokens: a.cached_tokens, residency: a.residency.name() })
     }
 
     /// `scheduled`: (request_id, new_tokens) pairs.
@@ -370,10 +318,7 @@ impl ResidencyManager {
             ("full", s.full as u64),
             ("mixed", s.mixed as u64),
             ("none", s.none as u64),
-            (
-                "steady_state_concurrency",
-                s.steady_state_concurrency as u64,
-            ),
+            ("steady_state_concurrency", s.steady_state_concurrency as u64),
             ("total_released", s.total_released),
             ("total_lost", s.total_lost),
             ("total_materialized", s.total_materialized),
@@ -409,14 +354,7 @@ impl ResidencyManager {
         d.set_item("num_index_groups", c.num_index_groups)?;
         d.set_item("tail_pages", c.tail_pages)?;
         d.set_item("watermark", c.watermark)?;
-        d.set_item(
-            "policy",
-            if c.policy == PressurePolicy::Coldest {
-                "coldest"
-            } else {
-                "fifo"
-            },
-        )?;
+        d.set_item("policy", if c.policy == PressurePolicy::Coldest { "coldest" } else { "fifo" })?;
         d.set_item("materialize_budget", c.materialize_budget)?;
         d.set_item("page_bytes", c.page_bytes)?;
         Ok(d)
@@ -425,13 +363,7 @@ impl ResidencyManager {
 
 #[pyfunction]
 #[pyo3(signature = (*, seq_len, block_size, hot_rows, tail_pages, groups))]
-fn steady_state_blocks(
-    seq_len: u64,
-    block_size: u32,
-    hot_rows: u32,
-    tail_pages: u32,
-    groups: u32,
-) -> u64 {
+fn steady_state_blocks(seq_len: u64, block_size: u32, hot_rows: u32, tail_pages: u32, groups: u32) -> u64 {
     hisparse_core::steady_state_blocks(seq_len, block_size, hot_rows, tail_pages, groups)
 }
 
@@ -459,13 +391,7 @@ unsafe fn view_mut<'a, T>(b: Buf) -> &'a mut [T] {
 }
 
 unsafe fn layer_views<'a>(gpu: &[Buf], host: &[Buf]) -> Vec<LayerSlabs<'a>> {
-    gpu.iter()
-        .zip(host)
-        .map(|(&g, &h)| LayerSlabs {
-            gpu: view_mut(g),
-            host: view_mut(h),
-        })
-        .collect()
+    gpu.iter().zip(host).map(|(&g, &h)| LayerSlabs { gpu: view_mut(g), host: view_mut(h) }).collect()
 }
 
 /// `state`: seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat, status, counters.
@@ -484,13 +410,7 @@ fn _ref_resolve(
     out: Buf,
 ) -> PyResult<()> {
     let (block_size, pages, hot_rows, groups, row_bytes) = geometry;
-    let geo = Geometry {
-        block_size,
-        pages,
-        hot_rows,
-        groups,
-        row_bytes,
-    };
+    let geo = Geometry { block_size, pages, hot_rows, groups, row_bytes };
     py.detach(|| unsafe {
         let mut st = ResolveState {
             seq_lens: view(state[0]),
@@ -504,30 +424,15 @@ fn _ref_resolve(
             counters: view_mut(state[8]),
         };
         let mut layers = layer_views(&gpu_layers, &host_layers);
-        reference::resolve(
-            &geo,
-            &mut st,
-            view(topk),
-            top_k,
-            view(row_state),
-            group,
-            &mut layers,
-            view_mut(out),
-        )
+        let batch = Batch { topk: view(topk), top_k, row_state: view(row_state) };
+        reference::resolve(&geo, &mut st, &batch, group, &mut layers, view_mut(out))
     })
     .py()
 }
 
 #[pyfunction]
-fn _ref_gather(
-    py: Python<'_>,
-    row_ids: Buf,
-    slab: Buf,
-    row_bytes: usize,
-    out: Buf,
-) -> PyResult<()> {
-    py.detach(|| unsafe { reference::gather(view(row_ids), view(slab), row_bytes, view_mut(out)) })
-        .py()
+fn _ref_gather(py: Python<'_>, row_ids: Buf, slab: Buf, row_bytes: usize, out: Buf) -> PyResult<()> {
+    py.detach(|| unsafe { reference::gather(view(row_ids), view(slab), row_bytes, view_mut(out)) }).py()
 }
 
 /// `unit`: rows per pair element (1 for rows, block_size for whole blocks).
@@ -541,11 +446,7 @@ fn _ref_copy(
     gpu_layers: Vec<Buf>,
     host_layers: Vec<Buf>,
 ) -> PyResult<()> {
-    let direction = if to_host {
-        Direction::DeviceToHost
-    } else {
-        Direction::HostToDevice
-    };
+    let direction = if to_host { Direction::DeviceToHost } else { Direction::HostToDevice };
     py.detach(|| unsafe {
         let mut layers = layer_views(&gpu_layers, &host_layers);
         reference::copy_units(view(pairs), unit, row_bytes, direction, &mut layers)
@@ -562,17 +463,9 @@ fn _ref_invalidate(
     pairs: Buf,
 ) -> PyResult<()> {
     let (block_size, pages, hot_rows, groups, row_bytes) = geometry;
-    let geo = Geometry {
-        block_size,
-        pages,
-        hot_rows,
-        groups,
-        row_bytes,
-    };
-    py.detach(|| unsafe {
-        reference::invalidate(&geo, view_mut(hot_pos), view_mut(hot_lru), view(pairs))
-    })
-    .py()
+    let geo = Geometry { block_size, pages, hot_rows, groups, row_bytes };
+    py.detach(|| unsafe { reference::invalidate(&geo, view_mut(hot_pos), view_mut(hot_lru), view(pairs)) })
+        .py()
 }
 
 #[pymodule]

@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test` (everything).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: run test build lint bench
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.5,<2" "torch>=2.4" "cuda-python>=12.8" "nvidia-cuda-nvrtc" \
+		"pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "matplotlib>=3.7"
+	touch $@
+
+build: $(STAMP)
+	maturin develop --release -q
+
+run: build
+	$(PY) -m hisparse scenario
+
+lint: $(STAMP)
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	$(PY) -m ruff check python tests benches
+
+test: build lint
+	cargo test -p hisparse-core -q
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) benches/core_step.py
