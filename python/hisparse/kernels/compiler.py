@@ -1,0 +1,244 @@
+"""Run-time compilation of the hisparse CUDA kernels with NVRTC, cached on disk.
+
+The kernels live in ``.cu`` files (``cuda/`` at the repository root, or ``kernels/cuda/`` inside an
+installed package). NVRTC needs no GPU, so everything here runs on any machine that has the NVRTC
+library; only :func:`select_arch` needs the device's compute capability and driver version.
+
+``python -m hisparse.kernels.compiler`` prints the register and spill report as JSON.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+
+# Source file stem -> the extern "C" kernels it defines.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "resolve": ("hisparse_resolve", "hisparse_invalidate"),
+    "copy": ("hisparse_gather", "hisparse_copy_rows", "hisparse_copy_blocks", "hisparse_replay"),
+}
+HEADERS = ("common.cuh",)
+OPTIONS = ("-std=c++17",)
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel source, or no code can be built for a device."""
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reported for one kernel."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """One source file compiled for one target.
+
+    ``kind`` is ``"cubin"`` (target ``sm_XX``) or ``"ptx"`` (target ``compute_XX``); ``resources`` is
+    empty for PTX, which ptxas has not seen yet.
+    """
+
+    name: str
+    arch: str
+    kind: str
+    image: bytes
+    resources: dict[str, KernelResources]
+    log: str
+
+
+def source_dir() -> Path:
+    """The folder of the ``.cu`` files: packaged next to this module, else the repository's ``cuda/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parents[2] / "cuda"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise CompileError(f"hisparse kernel sources not found in {here / 'cuda'} or {here.parents[2] / 'cuda'}")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HISPARSE_CACHE_DIR", "~/.cache/hisparse")).expanduser() / "kernels"
+
+
+def _check(result: tuple, what: str, prog=None) -> tuple:
+    err, *values = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        log = f"\n{_program_log(prog)}" if prog is not None else ""
+        raise CompileError(f"{what} failed: {err.name}{log}")
+    return tuple(values)
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    return _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+
+
+@functools.cache
+def supported_archs() -> tuple[int, ...]:
+    """Real architectures NVRTC can build cubins for, as integers (90 for sm_90)."""
+    (archs,) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    return tuple(archs)
+
+
+def select_arch(capability: tuple[int, int], driver_version: int) -> str:
+    """The NVRTC target for a device of ``capability`` under a driver of ``driver_version``.
+
+    ``driver_version`` is cuDriverGetVersion's number (13000 for 13.0). A cubin is preferred: it holds
+    machine code, which a driver older than NVRTC still loads, whereas PTX from a newer NVRTC may carry a
+    PTX ISA version the driver cannot compile. A cubin built for sm_XY also runs on sm_XZ with Z > Y.
+    PTX is the last resort, for a device newer than this NVRTC.
+    """
+    major, minor = capability
+    cc = major * 10 + minor
+    archs = supported_archs()
+    if cc in archs:
+        return f"sm_{cc}"
+    same_major = [a for a in archs if a // 10 == major and a < cc]
+    if same_major:
+        return f"sm_{max(same_major)}"
+    older = [a for a in archs if a < cc]
+    if not older:
+        raise CompileError(f"NVRTC {nvrtc_version()} cannot build for compute capability {major}.{minor}")
+    nv_major, nv_minor = nvrtc_version()
+    if driver_version < nv_major * 1000 + nv_minor * 10:
+        raise CompileError(
+            f"compute capability {major}.{minor} needs PTX, and PTX from NVRTC {nv_major}.{nv_minor} "
+            f"needs a driver at least as new (driver: {driver_version // 1000}.{driver_version % 1000 // 10})"
+        )
+    return f"compute_{max(older)}"
+
+
+def _program_log(prog) -> str:
+    (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    buf = b" " * size
+    _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+    return buf.rstrip(b"\0").decode(errors="replace")
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def parse_resources(log: str) -> dict[str, KernelResources]:
+    """Per-kernel figures from a ptxas ``-v`` log."""
+    out = {}
+    sections = _ENTRY.split(log)  # [preamble, name1, body1, name2, body2, ...]
+    for name, body in zip(sections[1::2], sections[2::2], strict=True):
+        frame = _FRAME.search(body)
+        registers = _REGISTERS.search(body)
+        if frame is None or registers is None:
+            raise CompileError(f"no ptxas resource line for {name} in the log:\n{log}")
+        stack, stores, loads = (int(x) for x in frame.groups())
+        out[name] = KernelResources(int(registers.group(1)), stores, loads, stack)
+    return out
+
+
+def _compile(name: str, source: bytes, headers: dict[str, bytes], options: list[str]) -> tuple[bytes, str]:
+    (prog,) = _check(
+        nvrtc.nvrtcCreateProgram(
+            source, f"{name}.cu".encode(), len(headers), list(headers.values()), [h.encode() for h in headers]
+        ),
+        "nvrtcCreateProgram",
+    )
+    try:
+        opts = [o.encode() for o in options]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compiling {name}.cu", prog)
+        log = _program_log(prog)
+        if any(o.startswith("--gpu-architecture=sm_") for o in options):
+            get_size, get = nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN
+        else:
+            get_size, get = nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX
+        (size,) = _check(get_size(prog), "reading the image size")
+        image = b" " * size
+        _check(get(prog, image), "reading the image")
+        return image, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@functools.cache
+def compile_kernel_source(name: str, arch: str) -> CompiledModule:
+    """Compile ``<name>.cu`` for ``arch`` (``sm_XX`` gives a cubin, ``compute_XX`` PTX).
+
+    Results are cached under ``$HISPARSE_CACHE_DIR/kernels`` (default ``~/.cache/hisparse``), keyed by
+    the sources, options, target and NVRTC version; a lock file keeps concurrent processes from building
+    the same entry twice, and entries appear atomically.
+    """
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel source {name!r}; expected one of {sorted(KERNELS)}")
+    if not re.fullmatch(r"(sm|compute)_\d+[af]?", arch):
+        raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {arch!r}")
+    kind = "cubin" if arch.startswith("sm_") else "ptx"
+    folder = source_dir()
+    source = (folder / f"{name}.cu").read_bytes()
+    headers = {h: (folder / h).read_bytes() for h in HEADERS}
+    options = [*OPTIONS, f"--gpu-architecture={arch}"]
+    if kind == "cubin":
+        options.append("--ptxas-options=-v")  # the resource report lands in the program log
+
+    digest = hashlib.sha256()
+    for part in (
+        name.encode(),
+        source,
+        *(k.encode() + v for k, v in headers.items()),
+        *map(str.encode, options),
+    ):
+        digest.update(len(part).to_bytes(8, "little") + part)
+    digest.update(repr(nvrtc_version()).encode())
+    stem = f"{name}-{arch}-{digest.hexdigest()[:32]}"
+
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    image_path, log_path = folder / f"{stem}.{kind}", folder / f"{stem}.log"
+    if not image_path.exists():
+        with open(folder / f"{stem}.lock", "wb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not image_path.exists():  # another process may have built it while we waited
+                image, log = _compile(name, source, headers, options)
+                _atomic_write(log_path, log.encode())  # the log first: an image implies its log
+                _atomic_write(image_path, image)
+    log = log_path.read_text()
+    resources = parse_resources(log) if kind == "cubin" else {}
+    missing = set(KERNELS[name]) - set(resources) if kind == "cubin" else set()
+    if missing:
+        raise CompileError(f"{name}.cu for {arch}: no ptxas report for {sorted(missing)}")
+    return CompiledModule(name, arch, kind, image_path.read_bytes(), resources, log)
+
+
+def compile_report(archs: tuple[str, ...] = ("sm_80", "sm_90", "sm_100")) -> list[dict]:
+    """Registers per thread, spills and stack of every kernel for every arch (cubins)."""
+    rows = []
+    for arch in archs:
+        for name in KERNELS:
+            for kernel, res in sorted(compile_kernel_source(name, arch).resources.items()):
+                rows.append({"kernel": kernel, "arch": arch, **asdict(res)})
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_report(), indent=1))

@@ -1,0 +1,103 @@
+"""Every kernel compiles with NVRTC for the supported GPU generations, without local-memory spills.
+
+Runs on CPU: NVRTC needs no GPU. Run with -s to see the register report.
+"""
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+from hisparse.kernels import compiler  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90", "sm_100")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "hisparse-cache"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", sorted(compiler.KERNELS))
+def test_compiles_to_cubin_without_spills(source, arch):
+    module = compiler.compile_kernel_source(source, arch)
+    assert module.kind == "cubin"
+    assert module.image[:4] == b"\x7fELF"
+    assert set(module.resources) == set(compiler.KERNELS[source])
+    for kernel, res in sorted(module.resources.items()):
+        print(
+            f"\n{kernel:22s} {arch:7s} {res.registers:3d} registers/thread, stack {res.stack_bytes} B, "
+            f"spill stores {res.spill_stores} B, spill loads {res.spill_loads} B",
+            end="",
+        )
+        assert res.spill_stores == 0 and res.spill_loads == 0, f"{kernel} spills on {arch}: {res}"
+
+
+def test_ptx_target():
+    module = compiler.compile_kernel_source("copy", "compute_90")
+    assert module.kind == "ptx"
+    assert module.resources == {}
+    text = module.image.decode()
+    assert all(f".entry {k}(" in text for k in compiler.KERNELS["copy"])
+
+
+def test_disk_cache_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
+    compiler.compile_kernel_source.cache_clear()
+    first = compiler.compile_kernel_source("copy", "sm_90")
+    entries = sorted(p.suffix for p in (tmp_path / "kernels").iterdir())
+    assert entries == [".cubin", ".lock", ".log"]
+
+    def no_nvrtc(*args):
+        raise AssertionError("compiled again despite a cache entry")
+
+    monkeypatch.setattr(compiler, "_compile", no_nvrtc)
+    compiler.compile_kernel_source.cache_clear()
+    second = compiler.compile_kernel_source("copy", "sm_90")
+    assert second.image == first.image
+    assert second.resources == first.resources
+    compiler.compile_kernel_source.cache_clear()
+
+
+def test_compile_report():
+    rows = compiler.compile_report(ARCHS)
+    kernels = {k for ks in compiler.KERNELS.values() for k in ks}
+    assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in ARCHS}
+    assert all(set(r) == {"kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_bytes"} for r in rows)
+
+
+def test_select_arch():
+    new_driver = 99990
+    assert compiler.select_arch((9, 0), 13000) == "sm_90"
+    assert compiler.select_arch((8, 6), 13000) == "sm_86"
+    assert compiler.select_arch((9, 9), 13000) == "sm_90"  # same major: the sm_90 cubin runs there
+    newest = max(compiler.supported_archs())
+    assert compiler.select_arch((99, 0), new_driver) == f"compute_{newest}"
+    with pytest.raises(compiler.CompileError, match="driver"):
+        compiler.select_arch((99, 0), 13000)
+    with pytest.raises(compiler.CompileError):
+        compiler.select_arch((3, 0), new_driver)
+
+
+def test_parse_resources():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k1' for 'sm_90'
+ptxas info    : Function properties for k1
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers
+ptxas info    : Compiling entry function 'k2' for 'sm_90'
+ptxas info    : Function properties for k2
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 12 registers, used 0 barriers
+"""
+    assert compiler.parse_resources(log) == {
+        "k1": compiler.KernelResources(40, 4, 12, 8),
+        "k2": compiler.KernelResources(12, 0, 0, 0),
+    }
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown kernel source"):
+        compiler.compile_kernel_source("nope", "sm_90")
+    with pytest.raises(ValueError, match="arch"):
+        compiler.compile_kernel_source("copy", "90")
