@@ -14,16 +14,17 @@ TOP_K = 8
 
 
 class Serving(RuleBasedStateMachine):
+    POLICY = "coldest"
+
     def __init__(self):
         super().__init__()
-        self.policy = "coldest"
         self.m = ResidencyManager(
             num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
             block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len, max_running=LAYOUT.max_running,
             top_k=TOP_K, hot_rows=LAYOUT.hot_rows, num_index_groups=LAYOUT.num_groups, watermark=4,
-            page_bytes=LAYOUT.page_bytes, policy=self.policy,
+            page_bytes=LAYOUT.page_bytes, policy=self.POLICY,
         )
-        self.d = Driver(self.m, DataPath(LAYOUT), top_k=TOP_K, seed=1)
+        self.d = Driver(self.m, DataPath(LAYOUT), top_k=TOP_K, seed=len(self.POLICY))
         self.next_id = 0
         self.running: list[int] = []
         self.preempted: list[int] = []
@@ -121,15 +122,9 @@ class Serving(RuleBasedStateMachine):
 
 
 class FifoServing(Serving):
-    def __init__(self):
-        super().__init__()
-        self.m = ResidencyManager(
-            num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
-            block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len, max_running=LAYOUT.max_running,
-            top_k=TOP_K, hot_rows=LAYOUT.hot_rows, num_index_groups=LAYOUT.num_groups, watermark=4,
-            page_bytes=LAYOUT.page_bytes, policy="fifo",
-        )
-        self.d = Driver(self.m, DataPath(LAYOUT), top_k=TOP_K, seed=2)
+    """vLLM's policy: a transitioned request releases every clean page."""
+
+    POLICY = "fifo"
 
 
 TestServing = Serving.TestCase
