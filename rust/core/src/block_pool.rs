@@ -42,6 +42,8 @@ pub struct BlockPool {
     meta: Vec<BlockMeta>,
     free: IndexList,
     by_hash: HashMap<u64, BlockId>,
+    /// Free blocks that still have readers, kept as blocks change so stats and policy read it in O(1).
+    released: u32,
 }
 
 impl BlockPool {
@@ -50,7 +52,12 @@ impl BlockPool {
         for b in 1..num_blocks {
             free.push_back(b);
         }
-        BlockPool { meta: vec![BlockMeta::default(); num_blocks as usize], free, by_hash: HashMap::new() }
+        BlockPool {
+            meta: vec![BlockMeta::default(); num_blocks as usize],
+            free,
+            by_hash: HashMap::new(),
+            released: 0,
+        }
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -64,7 +71,24 @@ impl BlockPool {
 
     /// Free blocks that some page still reads in place.
     pub fn num_released(&self) -> u32 {
-        self.free.iter().filter(|&b| !self.meta[b as usize].readers.is_empty()).count() as u32
+        self.released
+    }
+
+    /// Free blocks nobody reads: taking one costs no one anything.
+    pub fn num_unread_free(&self) -> u32 {
+        self.num_free() - self.released
+    }
+
+    fn is_released(&self, b: BlockId) -> bool {
+        self.free.contains(b) && !self.meta[b as usize].readers.is_empty()
+    }
+
+    /// Runs a change to block `b`, keeping the released count in step with it.
+    fn tracking<T>(&mut self, b: BlockId, change: impl FnOnce(&mut Self) -> T) -> T {
+        let before = self.is_released(b);
+        let out = change(self);
+        self.released = self.released + self.is_released(b) as u32 - before as u32;
+        out
     }
 
     pub fn ref_count(&self, b: BlockId) -> u32 {
@@ -82,7 +106,9 @@ impl BlockPool {
     /// Takes the least recently freed block, pinned once. Its readers lose it: the caller must turn their
     /// pages host-only in this same step.
     pub fn allocate(&mut self) -> Option<(BlockId, Reuse)> {
-        let b = self.free.pop_front()?;
+        let b = self.free.front()?;
+        self.released -= self.is_released(b) as u32;
+        self.free.remove(b);
         let meta = &mut self.meta[b as usize];
         meta.ref_count = 1;
         if let Some(h) = meta.hash.take() {
@@ -93,39 +119,39 @@ impl BlockPool {
 
     /// Pins a block once more; a free block leaves the free list, keeping its content and readers.
     pub fn pin(&mut self, b: BlockId) {
-        let meta = &mut self.meta[b as usize];
-        if meta.ref_count == 0 {
-            self.free.remove(b);
-        }
-        meta.ref_count += 1;
+        self.tracking(b, |pool| {
+            if pool.meta[b as usize].ref_count == 0 {
+                pool.free.remove(b);
+            }
+            pool.meta[b as usize].ref_count += 1;
+        })
     }
 
     /// Drops one pin; at zero the block goes to the back of the free list.
     pub fn unpin(&mut self, b: BlockId) -> Result<()> {
-        let meta = &mut self.meta[b as usize];
-        if meta.ref_count == 0 {
+        if self.meta[b as usize].ref_count == 0 {
             return invariant(format!("block {b} unpinned while not pinned"));
         }
-        meta.ref_count -= 1;
-        if meta.ref_count == 0 {
-            self.free.push_back(b);
-        }
+        self.tracking(b, |pool| {
+            let meta = &mut pool.meta[b as usize];
+            meta.ref_count -= 1;
+            if meta.ref_count == 0 {
+                pool.free.push_back(b);
+            }
+        });
         Ok(())
     }
 
     pub fn add_reader(&mut self, b: BlockId, reader: Reader) {
-        self.meta[b as usize].readers.push(reader);
+        self.tracking(b, |pool| pool.meta[b as usize].readers.push(reader));
     }
 
     pub fn remove_reader(&mut self, b: BlockId, reader: Reader) -> Result<()> {
-        let readers = &mut self.meta[b as usize].readers;
-        match readers.iter().position(|r| *r == reader) {
-            Some(i) => {
-                readers.swap_remove(i);
-                Ok(())
-            }
-            None => invariant(format!("block {b} has no reader {reader:?}")),
-        }
+        let Some(i) = self.meta[b as usize].readers.iter().position(|r| *r == reader) else {
+            return invariant(format!("block {b} has no reader {reader:?}"));
+        };
+        self.tracking(b, |pool| pool.meta[b as usize].readers.swap_remove(i));
+        Ok(())
     }
 
     /// Keeps a free block longer before reuse (its page was just selected).

@@ -11,6 +11,24 @@ pub enum PressurePolicy {
     /// vLLM 0.33's behaviour: a transitioned request releases every clean page it has, newest first, and
     /// released blocks are reused in the order they were released.
     Fifo,
+    /// No hierarchy at all (the baseline): pages are never released and nobody holds a hot region; a
+    /// request that comes back from the host (prefix hit or resumption) has every page restored whole.
+    Resident,
+}
+
+impl PressurePolicy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            PressurePolicy::Coldest => "coldest",
+            PressurePolicy::Fifo => "fifo",
+            PressurePolicy::Resident => "resident",
+        }
+    }
+
+    /// Whether requests may read through hot regions (and so may release pages).
+    pub fn tiers(&self) -> bool {
+        *self != PressurePolicy::Resident
+    }
 }
 
 impl std::str::FromStr for PressurePolicy {
@@ -47,7 +65,8 @@ pub struct Config {
     /// Free GPU blocks the pressure policy keeps.
     pub watermark: u32,
     pub policy: PressurePolicy,
-    /// Page copies to host planned per step at most.
+    /// Page copies planned per step at most, in each direction (to the host proactively; back to the GPU
+    /// when pressure is gone and a request returns to full residency).
     pub materialize_budget: u32,
     /// Bytes of one page for all layers, for stats and logs.
     pub page_bytes: u64,
@@ -74,7 +93,8 @@ impl Config {
 
     /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
     pub fn min_gpu_footprint(&self) -> u32 {
-        steady_state_blocks(0, self.block_size, self.hot_rows, self.tail_pages, 1) as u32
+        let hot_rows = if self.policy.tiers() { self.hot_rows } else { 0 };
+        steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1) as u32
     }
 
     pub fn validate(&self) -> Result<()> {

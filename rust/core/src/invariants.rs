@@ -136,6 +136,12 @@ impl ResidencyManager {
         if free != self.pool.num_free() {
             return invariant("free list length disagrees with free blocks");
         }
+        let released = (1..cfg.num_gpu_blocks)
+            .filter(|&b| self.pool.is_free(b) && !self.pool.readers(b).is_empty())
+            .count() as u32;
+        if released != self.pool.num_released() {
+            return invariant("the released-block count drifted");
+        }
         for h in 0..cfg.num_host_blocks {
             let want = host_refs.get(&h).copied().unwrap_or(0);
             if self.host.ref_count(h) != want {

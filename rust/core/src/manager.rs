@@ -78,6 +78,23 @@ impl Request {
     }
 }
 
+/// The two kinds of page that relief brings back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PageKind {
+    Released,
+    HostOnly,
+}
+
+impl PageKind {
+    fn of(state: &PageState) -> Option<Self> {
+        match state {
+            PageState::Released { .. } => Some(PageKind::Released),
+            PageState::HostOnly { .. } => Some(PageKind::HostOnly),
+            _ => None,
+        }
+    }
+}
+
 /// Who waits for an in-flight copy: a page, or nobody any more (its request finished or was preempted)
 /// while the copy still reads the block, which therefore stays pinned until the copy ends.
 #[derive(Clone, Copy, Debug)]
@@ -405,6 +422,9 @@ impl ResidencyManager {
     /// The request whose transition to mixed residency frees the most blocks net of its hot region;
     /// the scheduler's `prefer` order first under `fifo` (vLLM transitions the request that asks).
     fn pick_transition(&self, done: &HashSet<u64>, prefer: &[u64]) -> Option<u64> {
+        if !self.cfg.policy.tiers() {
+            return None;
+        }
         let hot_cost = self.hot_cost() as usize;
         let eligible = |id: &u64| {
             let r = &self.requests[id];
@@ -582,8 +602,10 @@ impl ResidencyManager {
             .filter_map(|(i, p)| Some((i as u32, self.pool.lookup(p.hash?)?)))
             .collect();
         let adopted: HashSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
-        let restores = (tail_start..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
-        let needs_hot = (0..tail_start as u32).any(|p| !adopted.contains(&p));
+        // Without tiers everything comes back whole; with them the tail, and the rest reads through hot rows.
+        let restore_from = if self.cfg.policy.tiers() { tail_start } else { 0 };
+        let restores = (restore_from..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
+        let needs_hot = (0..restore_from as u32).any(|p| !adopted.contains(&p));
         let needed = restores + if needs_hot { self.hot_cost() } else { 0 };
         // Adopted blocks leave the free list: take them out of the count before reclaiming.
         for &(_, b) in &adopt {
@@ -614,7 +636,7 @@ impl ResidencyManager {
             let state = self.req(id)?.pages[page as usize].state.restore(block)?;
             self.set_page(id, page, state)?;
         }
-        for page in tail_start..n {
+        for page in restore_from..n {
             let state = self.req(id)?.pages[page].state;
             if let PageState::HostOnly { host } = state {
                 let block = self.take_block()?;
@@ -710,6 +732,7 @@ impl ResidencyManager {
         let bs = self.cfg.block_size;
         let tail = self.cfg.tail_pages as usize;
         let r = self.req(id)?;
+        let before = r.residency(self.cfg.tail_pages);
         let new_len = r.seq_len + tokens;
         let old_pages = r.pages.len();
         let new_pages = new_len.div_ceil(bs) as usize;
@@ -730,43 +753,64 @@ impl ResidencyManager {
             }
         }
         self.pending.seq_lens.push(id);
-        Ok(())
+        // Growth moves the tail: a request with host-only history can go from none to mixed.
+        self.note_transition(id, before)
     }
 
-    /// When the pool has room again, a request with no host-only page goes back to full residency: its
-    /// released pages are pinned again and its hot region is returned.
+    /// When the pool has room again, requests go back to full residency, oldest first: host-only pages
+    /// are restored (within the copy budget), released ones pinned again, and the hot region returned.
+    /// Only blocks nobody reads count as room, and a hot region's worth of slack stays above the
+    /// watermark so the next step does not flip back.
     fn relieve(&mut self) -> Result<()> {
         let hot_cost = self.hot_cost() as i64;
         let mut candidates: Vec<(u64, u64)> = self
             .requests
             .iter()
-            .filter(|(_, r)| r.hot.is_some() && r.host_only == 0 && r.row().is_some())
+            .filter(|(_, r)| r.hot.is_some() && r.row().is_some())
             .map(|(&id, r)| (r.order, id))
             .collect();
         candidates.sort_unstable();
+        let mut budget = self.cfg.materialize_budget as i64;
         for (_, id) in candidates {
-            let released = self.req(id)?.released as i64;
-            // Keep a hot region's worth of slack above the watermark so the next step does not flip back.
-            let free_after = self.pool.num_free() as i64 - released + hot_cost;
-            if free_after < self.cfg.watermark as i64 + 2 * hot_cost {
+            let host_only = self.req(id)?.host_only as i64;
+            let room = self.pool.num_unread_free() as i64 - host_only + hot_cost;
+            if host_only > budget || room < self.cfg.watermark as i64 + 2 * hot_cost {
                 break;
             }
-            let pages: Vec<u32> = self
-                .req(id)?
-                .pages
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| matches!(p.state, PageState::Released { .. }))
-                .map(|(i, _)| i as u32)
-                .collect();
-            for page in pages {
-                let state = self.req(id)?.pages[page as usize].state;
-                let PageState::Released { block, .. } = state else { unreachable!() };
-                self.pool.remove_reader(block, Reader { request: id, page })?;
-                self.pool.pin(block);
-                self.set_page(id, page, state.repin()?)?;
+            budget -= host_only;
+            let before = self.req(id)?.residency(self.cfg.tail_pages);
+            // Its own released blocks first: once pinned, restoring the rest cannot take them away.
+            for kind in [PageKind::Released, PageKind::HostOnly] {
+                let pages: Vec<u32> = (0..self.req(id)?.pages.len() as u32)
+                    .filter(|&p| {
+                        PageKind::of(&self.req(id).expect("live").pages[p as usize].state) == Some(kind)
+                    })
+                    .collect();
+                for page in pages {
+                    let state = self.req(id)?.pages[page as usize].state;
+                    let next = match state {
+                        PageState::Released { block, .. } => {
+                            self.pool.remove_reader(block, Reader { request: id, page })?;
+                            self.pool.pin(block);
+                            state.repin()?
+                        }
+                        PageState::HostOnly { host } => {
+                            let block = self.take_block()?;
+                            self.pending.restores.push(PageCopy {
+                                transfer: 0,
+                                gpu_block: block,
+                                host_block: host,
+                            });
+                            self.stats.total_restored += 1;
+                            state.restore(block)?
+                        }
+                        _ => return invariant(format!("request {id} page {page} changed while relieved")),
+                    };
+                    self.set_page(id, page, next)?;
+                }
             }
             self.return_hot(id)?;
+            self.note_transition(id, before)?;
         }
         Ok(())
     }
@@ -1073,7 +1117,9 @@ impl ResidencyManager {
     /// How many requests could run at once in steady state: each keeps its tail and a hot region on the
     /// GPU, and reserves its pages at max_model_len on the host.
     pub fn steady_state_concurrency(&self) -> u32 {
-        let gpu = (self.cfg.num_gpu_blocks - 1 - self.cfg.watermark) / self.cfg.min_gpu_footprint();
+        let per_request =
+            if self.cfg.policy.tiers() { self.cfg.min_gpu_footprint() } else { self.cfg.max_pages() };
+        let gpu = (self.cfg.num_gpu_blocks - 1 - self.cfg.watermark) / per_request;
         let host = self.cfg.num_host_blocks / self.cfg.max_pages();
         gpu.min(host).min(self.cfg.max_running)
     }

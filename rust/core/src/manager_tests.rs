@@ -4,6 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::config::test_config;
+use crate::plan::Transition;
 
 /// A worker that moves content tags the way the GPU data path moves bytes, and mirrors the block tables
 /// from plans alone. A page's tag is its prefix hash when it has one, else unique to (request, page).
@@ -195,13 +196,11 @@ proptest! {
     fn state_machine_keeps_invariants_and_content(
         gpu in 14..48u32,
         host in 16..96u32,
-        fifo in any::<bool>(),
+        policy in prop::sample::select(vec![PressurePolicy::Coldest, PressurePolicy::Fifo, PressurePolicy::Resident]),
         ops in prop::collection::vec(op(), 1..80),
     ) {
         let mut cfg = test_config(gpu, host);
-        if fifo {
-            cfg.policy = PressurePolicy::Fifo;
-        }
+        cfg.policy = policy;
         run(cfg, ops);
     }
 }
@@ -288,8 +287,15 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     assert_eq!(a.cached_tokens, 20);
     assert_eq!(a.residency, Residency::None);
     assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
+    // The pool is empty otherwise: the tail (restored at admission) and, as relief, the rest come back.
     let plan = m.plan_step(&[(4, 1)]).unwrap();
-    assert_eq!(plan.restores.len(), 2, "the tail pages come back from the host");
+    assert_eq!(plan.restores.len(), 5);
+    let t = |from, to| Transition { request: 4, from, to };
+    assert_eq!(
+        plan.transitions,
+        vec![t(Residency::None, Residency::Mixed), t(Residency::Mixed, Residency::Full)]
+    );
+    assert_eq!(m.request_info(4).unwrap().hot_blocks, 0);
     m.check_invariants().unwrap();
 }
 

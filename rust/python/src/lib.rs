@@ -354,7 +354,7 @@ impl ResidencyManager {
         d.set_item("num_index_groups", c.num_index_groups)?;
         d.set_item("tail_pages", c.tail_pages)?;
         d.set_item("watermark", c.watermark)?;
-        d.set_item("policy", if c.policy == PressurePolicy::Coldest { "coldest" } else { "fifo" })?;
+        d.set_item("policy", c.policy.name())?;
         d.set_item("materialize_budget", c.materialize_budget)?;
         d.set_item("page_bytes", c.page_bytes)?;
         Ok(d)
