@@ -101,3 +101,13 @@ def test_bad_arguments():
         compiler.compile_kernel_source("nope", "sm_90")
     with pytest.raises(ValueError, match="arch"):
         compiler.compile_kernel_source("copy", "90")
+
+
+def test_the_extension_embeds_exactly_the_repository_kernels():
+    from pathlib import Path
+
+    from hisparse import _core
+
+    repo = Path(__file__).resolve().parents[1] / "cuda"
+    embedded = dict(_core.kernel_sources())
+    assert embedded == {f.name: f.read_text() for f in repo.glob("*.cu*")}

@@ -1,8 +1,9 @@
 """Run-time compilation of the hisparse CUDA kernels with NVRTC, cached on disk.
 
-The kernels live in ``.cu`` files (``cuda/`` at the repository root, or ``kernels/cuda/`` inside an
-installed package). NVRTC needs no GPU, so everything here runs on any machine that has the NVRTC
-library; only :func:`select_arch` needs the device's compute capability and driver version.
+The kernels live in ``.cu`` files in ``cuda/`` at the repository root; the extension module embeds the
+same files, so an installed wheel compiles exactly what the repository holds. NVRTC needs no GPU, so
+everything here runs on any machine that has the NVRTC library; only :func:`select_arch` needs the
+device's compute capability and driver version.
 
 ``python -m hisparse.kernels.compiler`` prints the register and spill report as JSON.
 """
@@ -60,13 +61,15 @@ class CompiledModule:
     log: str
 
 
-def source_dir() -> Path:
-    """The folder of the ``.cu`` files: packaged next to this module, else the repository's ``cuda/``."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda", here.parents[2] / "cuda"):
-        if (candidate / "common.cuh").is_file():
-            return candidate
-    raise CompileError(f"hisparse kernel sources not found in {here / 'cuda'} or {here.parents[2] / 'cuda'}")
+def kernel_sources() -> dict[str, bytes]:
+    """The ``.cu`` and ``.cuh`` files by name: the repository's ``cuda/`` when present (edits apply without
+    a rebuild), else the copies embedded in ``hisparse._core``."""
+    repo = Path(__file__).resolve().parents[3] / "cuda"
+    if (repo / "common.cuh").is_file():
+        return {f.name: f.read_bytes() for f in sorted(repo.glob("*.cu*"))}
+    from .. import _core
+
+    return {name: text.encode() for name, text in _core.kernel_sources()}
 
 
 def cache_dir() -> Path:
@@ -194,9 +197,9 @@ def compile_kernel_source(name: str, arch: str) -> CompiledModule:
     if not re.fullmatch(r"(sm|compute)_\d+[af]?", arch):
         raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {arch!r}")
     kind = "cubin" if arch.startswith("sm_") else "ptx"
-    folder = source_dir()
-    source = (folder / f"{name}.cu").read_bytes()
-    headers = {h: (folder / h).read_bytes() for h in HEADERS}
+    files = kernel_sources()
+    source = files[f"{name}.cu"]
+    headers = {h: files[h] for h in HEADERS}
     options = [*OPTIONS, f"--gpu-architecture={arch}"]
     if kind == "cubin":
         options.append("--ptxas-options=-v")  # the resource report lands in the program log

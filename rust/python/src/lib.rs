@@ -361,6 +361,18 @@ impl ResidencyManager {
     }
 }
 
+/// The CUDA sources, embedded so that a wheel carries exactly what `cuda/` holds.
+const KERNEL_SOURCES: [(&str, &str); 3] = [
+    ("common.cuh", include_str!("../../../cuda/common.cuh")),
+    ("copy.cu", include_str!("../../../cuda/copy.cu")),
+    ("resolve.cu", include_str!("../../../cuda/resolve.cu")),
+];
+
+#[pyfunction]
+fn kernel_sources() -> Vec<(&'static str, &'static str)> {
+    KERNEL_SOURCES.to_vec()
+}
+
 #[pyfunction]
 #[pyo3(signature = (*, seq_len, block_size, hot_rows, tail_pages, groups))]
 fn steady_state_blocks(seq_len: u64, block_size: u32, hot_rows: u32, tail_pages: u32, groups: u32) -> u64 {
@@ -474,6 +486,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_class::<Admission>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_ref_resolve, m)?)?;
     m.add_function(wrap_pyfunction!(_ref_gather, m)?)?;
     m.add_function(wrap_pyfunction!(_ref_copy, m)?)?;
