@@ -50,8 +50,10 @@ def test_bad_calls_raise_and_change_nothing():
     assert err.value.request_id == 7
     with pytest.raises(InvalidArgumentError, match="twice"):
         m.plan_step([(1, 1), (1, 1)])
-    with pytest.raises(OverflowError):
+    with pytest.raises(InvalidArgumentError, match="new token count"):
         m.plan_step([(1, -1)])
+    with pytest.raises(InvalidArgumentError, match="non-negative"):
+        m.finish(-3)
     with pytest.raises(InvalidArgumentError, match="beyond its max_len"):
         m.plan_step([(1, 10_000)])
     with pytest.raises(InvalidArgumentError, match="not in flight"):
@@ -91,6 +93,11 @@ def test_step_plan_reports_missing_blocks():
     plan = m.plan_step([(1, 500)])
     assert not plan.ok and plan.missing_blocks == 32 - 29  # 32 pages, 29 usable blocks
     assert m.request_info(1)["seq_len"] == 0
+
+
+def test_hot_rows_default_to_twice_top_k_or_the_speculative_union():
+    assert manager().config()["hot_rows"] == 64
+    assert manager(speculative_tokens=3, num_gpu_blocks=128).config()["hot_rows"] == 128
 
 
 def test_capacity_log_mentions_the_host_pool():

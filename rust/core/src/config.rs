@@ -73,9 +73,11 @@ pub struct Config {
 }
 
 impl Config {
-    /// The default hot rows: room for the union of `q + 1` top-K rows (verification tokens resolve together).
+    /// The default hot rows: `2 * top_k` without speculation (room for a step's misses beside the rows
+    /// the indexer keeps selecting), `(q + 1) * top_k` with `q` speculative tokens, whose verification
+    /// rows resolve together.
     pub fn default_hot_rows(top_k: u32, speculative_tokens: u32) -> u32 {
-        (speculative_tokens + 1) * top_k
+        (speculative_tokens + 1).max(2) * top_k
     }
 
     pub fn hot_blocks(&self) -> u32 {

@@ -48,6 +48,17 @@ fn to_pyerr(e: CoreError) -> PyErr {
     })
 }
 
+/// Python ints are unbounded; a negative id or token count is a caller's mistake, not an overflow.
+fn count(what: &str, v: i64) -> PyResult<u32> {
+    u32::try_from(v)
+        .map_err(|_| to_pyerr(CoreError::InvalidArgument(format!("{what} must be in 0..2^32, got {v}"))))
+}
+
+fn request(v: i64) -> PyResult<u64> {
+    u64::try_from(v)
+        .map_err(|_| to_pyerr(CoreError::InvalidArgument(format!("request ids are non-negative, got {v}"))))
+}
+
 trait IntoPy<T> {
     fn py(self) -> PyResult<T>;
 }
@@ -232,22 +243,29 @@ impl ResidencyManager {
     fn admit(
         &mut self,
         py: Python<'_>,
-        request_id: u64,
-        prompt_len: u32,
+        request_id: i64,
+        prompt_len: i64,
         prefix_hashes: Vec<u64>,
-        max_len: Option<u32>,
+        max_len: Option<i64>,
     ) -> PyResult<Admission> {
+        let (request_id, prompt_len) = (request(request_id)?, count("prompt_len", prompt_len)?);
+        let max_len = max_len.map(|m| count("max_len", m)).transpose()?;
         let a = py.detach(|| self.inner.admit(request_id, prompt_len, &prefix_hashes, max_len)).py()?;
         Ok(Admission { row: a.row, cached_tokens: a.cached_tokens, residency: a.residency.name() })
     }
 
-    fn resume(&mut self, py: Python<'_>, request_id: u64) -> PyResult<Admission> {
+    fn resume(&mut self, py: Python<'_>, request_id: i64) -> PyResult<Admission> {
+        let request_id = request(request_id)?;
         let a = py.detach(|| self.inner.resume(request_id)).py()?;
         Ok(Admission { row: a.row, cached_tokens: a.cached_tokens, residency: a.residency.name() })
     }
 
     /// `scheduled`: (request_id, new_tokens) pairs.
-    fn plan_step(&mut self, py: Python<'_>, scheduled: Vec<(u64, u32)>) -> PyResult<StepPlan> {
+    fn plan_step(&mut self, py: Python<'_>, scheduled: Vec<(i64, i64)>) -> PyResult<StepPlan> {
+        let scheduled = scheduled
+            .into_iter()
+            .map(|(id, tokens)| Ok((request(id)?, count("new token count", tokens)?)))
+            .collect::<PyResult<Vec<_>>>()?;
         let inner = py.detach(|| self.inner.plan_step(&scheduled)).py()?;
         Ok(StepPlan { inner })
     }
@@ -257,16 +275,19 @@ impl ResidencyManager {
         py.detach(|| self.inner.complete(&transfer_ids, ok)).py()
     }
 
-    fn report_heat(&mut self, py: Python<'_>, request_id: u64, heat: Vec<u32>) -> PyResult<()> {
+    fn report_heat(&mut self, py: Python<'_>, request_id: i64, heat: Vec<u32>) -> PyResult<()> {
+        let request_id = request(request_id)?;
         py.detach(|| self.inner.report_heat(request_id, &heat)).py()
     }
 
-    fn finish(&mut self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+    fn finish(&mut self, py: Python<'_>, request_id: i64) -> PyResult<()> {
+        let request_id = request(request_id)?;
         py.detach(|| self.inner.finish(request_id)).py()
     }
 
     /// Returns the tokens kept on the host (resume continues from there).
-    fn preempt(&mut self, py: Python<'_>, request_id: u64) -> PyResult<u32> {
+    fn preempt(&mut self, py: Python<'_>, request_id: i64) -> PyResult<u32> {
+        let request_id = request(request_id)?;
         py.detach(|| self.inner.preempt(request_id)).py()
     }
 
@@ -274,28 +295,32 @@ impl ResidencyManager {
         py.detach(|| self.inner.check_invariants()).py()
     }
 
-    fn __contains__(&self, request_id: u64) -> bool {
-        self.inner.contains(request_id)
+    fn __contains__(&self, request_id: i64) -> bool {
+        u64::try_from(request_id).is_ok_and(|id| self.inner.contains(id))
     }
 
     fn request_ids(&self) -> Vec<u64> {
         self.inner.request_ids()
     }
 
-    fn request_info<'py>(&self, py: Python<'py>, request_id: u64) -> PyResult<Bound<'py, PyDict>> {
+    fn request_info<'py>(&self, py: Python<'py>, request_id: i64) -> PyResult<Bound<'py, PyDict>> {
+        let request_id = request(request_id)?;
         info_dict(py, &self.inner.request_info(request_id).py()?)
     }
 
     /// (gpu_block or 0, host_block or -1) per page.
-    fn block_table(&self, request_id: u64) -> PyResult<Vec<(u32, i32)>> {
+    fn block_table(&self, request_id: i64) -> PyResult<Vec<(u32, i32)>> {
+        let request_id = request(request_id)?;
         self.inner.block_table(request_id).py()
     }
 
-    fn page_states(&self, request_id: u64) -> PyResult<Vec<&'static str>> {
+    fn page_states(&self, request_id: i64) -> PyResult<Vec<&'static str>> {
+        let request_id = request(request_id)?;
         self.inner.page_states(request_id).py()
     }
 
-    fn hot_blocks(&self, request_id: u64) -> PyResult<Vec<u32>> {
+    fn hot_blocks(&self, request_id: i64) -> PyResult<Vec<u32>> {
+        let request_id = request(request_id)?;
         self.inner.hot_blocks(request_id).py()
     }
 
