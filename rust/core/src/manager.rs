@@ -957,6 +957,35 @@ impl ResidencyManager {
         self.set_page(id, page, clean)
     }
 
+    /// Appends page hashes (continuing the chain given at admission), e.g. for pages of generated tokens,
+    /// so the next turn of a conversation finds them. Durable pages are published at once; the others
+    /// when their copy ends.
+    pub fn add_page_hashes(&mut self, id: u64, hashes: &[u64]) -> Result<()> {
+        let r = self.req(id)?;
+        let total = r.hashes.len() + hashes.len();
+        if total as u64 * self.cfg.block_size as u64 > r.max_len as u64 {
+            return invalid(format!("{total} page hashes exceed request {id}'s max_len {}", r.max_len));
+        }
+        let first = r.hashes.len();
+        self.req_mut(id)?.hashes.extend_from_slice(hashes);
+        for (i, &hash) in hashes.iter().enumerate() {
+            let page = first + i;
+            let Some(p) = self.req_mut(id)?.pages.get_mut(page) else { break };
+            if p.hash.is_some() {
+                continue;
+            }
+            p.hash = Some(hash);
+            let state = p.state;
+            if let Some(host) = state.durable_host() {
+                let block = state.table_entry().gpu_block;
+                if self.host.publish(host, hash).is_none() && block != 0 {
+                    self.pool.publish(block, hash);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Adds selection heat per page (`heat[i]` for page `i`), as the resolver counted it. A released page
     /// that was selected is kept longer before its block is reused.
     pub fn report_heat(&mut self, id: u64, heat: &[u32]) -> Result<()> {

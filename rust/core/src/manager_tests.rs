@@ -348,3 +348,17 @@ fn admission_names_the_binding_resource() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn hashes_added_later_make_generated_pages_reusable() {
+    let mut m = small();
+    m.admit(1, 8, &[11, 12], None).unwrap();
+    decode(&mut m, &[1], 8, 1);
+    decode(&mut m, &[1], 4, 3); // pages 2 and 3 of generated tokens are written and copied
+    m.add_page_hashes(1, &[13, 14]).unwrap();
+    assert!(m.add_page_hashes(1, &[0; 20]).is_err());
+    m.finish(1).unwrap();
+    let a = m.admit(2, 17, &[11, 12, 13, 14], None).unwrap();
+    assert_eq!(a.cached_tokens, 16);
+    m.check_invariants().unwrap();
+}

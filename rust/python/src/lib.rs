@@ -275,6 +275,12 @@ impl ResidencyManager {
         py.detach(|| self.inner.complete(&transfer_ids, ok)).py()
     }
 
+    /// Page hashes continuing the admission chain (e.g. for generated tokens), published once durable.
+    fn add_page_hashes(&mut self, py: Python<'_>, request_id: i64, hashes: Vec<u64>) -> PyResult<()> {
+        let request_id = request(request_id)?;
+        py.detach(|| self.inner.add_page_hashes(request_id, &hashes)).py()
+    }
+
     fn report_heat(&mut self, py: Python<'_>, request_id: i64, heat: Vec<u32>) -> PyResult<()> {
         let request_id = request(request_id)?;
         py.detach(|| self.inner.report_heat(request_id, &heat)).py()
