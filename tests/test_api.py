@@ -100,6 +100,11 @@ def test_hot_rows_default_to_twice_top_k_or_the_speculative_union():
     assert manager(speculative_tokens=3, num_gpu_blocks=128).config()["hot_rows"] == 128
 
 
+def test_every_policy_parses_by_name():
+    for policy in ("coldest", "fifo", "resident"):
+        assert manager(policy=policy).config()["policy"] == policy
+
+
 def test_capacity_log_mentions_the_host_pool():
     m = manager()
     line = m.capacity_log()

@@ -37,9 +37,10 @@ impl std::str::FromStr for PressurePolicy {
         match s {
             "coldest" => Ok(PressurePolicy::Coldest),
             "fifo" => Ok(PressurePolicy::Fifo),
-            other => {
-                Err(CoreError::Config(format!("unknown policy {other:?}: expected 'coldest' or 'fifo'")))
-            }
+            "resident" => Ok(PressurePolicy::Resident),
+            other => Err(CoreError::Config(format!(
+                "unknown policy {other:?}: expected 'coldest', 'fifo' or 'resident'"
+            ))),
         }
     }
 }
