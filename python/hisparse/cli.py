@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import __version__, calc, scenario
+from . import __version__, calc, scenario, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     scenario.add_parser(sub)
     calc.add_parser(sub)
+    simulate.add_parser(sub)
     return parser
 
 

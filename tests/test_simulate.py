@@ -1,0 +1,138 @@
+"""``hisparse simulate``: conservation, determinism and the HiSparse-vs-offload ordering on a tiny config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import pytest
+
+from hisparse import sim_constants as K
+from hisparse.simulate import SimConfig, Simulation, add_parser, derive, miss_rate, simulate, to_json
+
+
+def tiny(**overrides) -> SimConfig:
+    """A pressured node: ~3 requests fit fully resident, ~6 at the HiSparse steady-state footprint, 8 users."""
+    base = dict(
+        mode="hisparse", policy="fifo", concurrency=8, duration_s=12.0, seed=3, drain=True, check_every=1,
+        turns=3, first_turn_tokens=1024, later_turn_tokens=64, output_tokens=32, max_model_len=4096,
+        max_batched_tokens=512, top_k=128, speculative_tokens=1, accept_length=1.8, num_gpu_blocks=64,
+        num_host_blocks=2000, materialize_budget=16,
+    )
+    base.update(overrides)
+    return SimConfig(**base)
+
+
+def run(cfg: SimConfig) -> dict:
+    sim = Simulation(cfg)
+    result = sim.run()
+    result["_manager"] = sim.manager
+    return result
+
+
+@pytest.mark.parametrize(("mode", "policy"), [("hisparse", "fifo"), ("hisparse", "coldest"), ("offload", "fifo")])
+def test_every_request_finishes_and_nothing_leaks(mode, policy):
+    r = run(tiny(mode=mode, policy=policy))
+    m = r.pop("_manager")
+    assert r["requests_arrived"] > 8
+    assert r["requests_finished"] == r["requests_arrived"]
+    s = m.stats()
+    assert s["running"] == 0 and s["preempted"] == 0
+    assert s["gpu_used"] == 0, m.capacity_log()
+    assert s["host_referenced"] == 0, m.capacity_log()  # only the prefix cache is left on the host
+    assert s["host_reserved"] == 0
+    assert s["pending_transfers"] == 0
+    assert m.request_ids() == []
+    m.check_invariants()
+    assert r["mean_running"] > 0 and r["output_tok_s"] > 0
+
+
+def test_pressure_is_real_in_the_tiny_config():
+    off = run(tiny(mode="offload"))
+    his = run(tiny(mode="hisparse", policy="fifo"))
+    assert off["max_running"] < 8  # the baseline cannot run every user at once
+    assert his["mean_mixed"] > 0  # HiSparse moved requests to mixed residency
+    assert his["h2d_gb"] > 0 and his["hit_rate"] is not None and 0 < his["hit_rate"] < 1
+    assert off["hit_rate"] is None
+
+
+@pytest.mark.parametrize("policy", ["fifo", "coldest"])
+def test_hisparse_runs_at_least_as_many_requests_as_offload(policy):
+    off = run(tiny(mode="offload"))
+    his = run(tiny(mode="hisparse", policy=policy))
+    assert his["mean_running"] >= off["mean_running"], (his["mean_running"], off["mean_running"])
+
+
+def test_same_seed_same_json_other_seed_other_run():
+    cfgs = [tiny(mode="offload", drain=False), tiny(mode="hisparse", policy="coldest", drain=False)]
+    a = json.dumps(to_json(simulate(cfgs)), sort_keys=True)
+    b = json.dumps(to_json(simulate([dataclasses.replace(c) for c in cfgs])), sort_keys=True)
+    assert a == b
+    c = json.dumps(to_json(simulate([dataclasses.replace(x, seed=4) for x in cfgs])), sort_keys=True)
+    assert c != a
+
+
+def test_miss_model_goes_through_the_published_points():
+    for ratio, rate in K.MISS_ANCHORS:
+        assert math.isclose(miss_rate(ratio), rate, rel_tol=1e-12)
+    grid = [0.25 * i for i in range(1, 64)]
+    rates = [miss_rate(x) for x in grid]
+    assert all(a > b for a, b in zip(rates, rates[1:], strict=False))
+    assert miss_rate(0) == 1.0 and 0 < miss_rate(100) < 0.01
+
+
+def test_default_deployment_sizes():
+    h = derive(SimConfig(mode="hisparse"))
+    o = derive(SimConfig(mode="offload"))
+    assert h.kv_hbm_gib == 17.8  # hisparse calc, GLM-5.3 FP8 on 8xH200 TP8
+    assert h.gpu_block_bytes == 64 * (78 * 656 + 21 * 132) == 3_452_160
+    assert h.num_gpu_blocks == o.num_gpu_blocks == 5536
+    assert h.host_page_bytes == 64 * 78 * 656 and o.host_page_bytes == h.gpu_block_bytes
+    assert h.hot_rows == (3 + 2) * 2048
+    # the hot region carries the hot rows and the indexer keys of ~80K tokens of history
+    assert h.core_hot_rows // 64 == math.ceil((10240 * 51168 + h.indexer_charge_tokens * 2772) / 3_452_160)
+    adaptive = derive(SimConfig(mode="hisparse", adaptive_hot_rows=True, concurrency=32))
+    assert K.TOP_K <= adaptive.hot_rows < h.hot_rows
+
+
+def test_adaptive_hot_rows_fit_the_concurrency():
+    for c in (1, 8, 32):
+        cfg = SimConfig(mode="hisparse", adaptive_hot_rows=True, concurrency=c)
+        d = derive(cfg)
+        footprint = cfg.tail_pages + d.core_hot_rows // cfg.block_tokens
+        if d.hot_rows > cfg.top_k:
+            assert c * footprint <= d.num_gpu_blocks - 1 - d.watermark
+
+
+def test_cli_json_has_the_issue_keys(capsys, tmp_path):
+    parser = argparse.ArgumentParser(prog="hisparse")
+    add_parser(parser.add_subparsers(dest="command"))
+    png = tmp_path / "running.png"
+    args = parser.parse_args(["simulate", "--mode", "hisparse", "--policy", "both", "--concurrency", "1,2",
+                              "--duration", "4", "--json", "--plot", str(png), "--no-progress"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["points"]) == 4
+    keys = {"mode", "policy", "concurrency", "mean_running", "output_tok_s", "ttft_s_p50", "itl_ms_p50",
+            "preemptions", "h2d_gb", "hit_rate"}
+    for p in out["points"]:
+        assert keys <= p.keys()
+    assert {(p["policy"], p["concurrency"]) for p in out["points"]} == {
+        ("fifo", 1), ("fifo", 2), ("coldest", 1), ("coldest", 2)}
+    assert png.stat().st_size > 0
+
+
+def test_cli_table_and_bad_arguments(capsys):
+    parser = argparse.ArgumentParser(prog="hisparse")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--mode", "hisparse", "--policy", "fifo", "--concurrency", "1",
+                              "--duration", "2", "--no-progress"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "mean of non-zero samples" in text and "hisparse" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--concurrency", "0"])
+    args = parser.parse_args(["simulate", "--hot-rows", "100", "--mode", "hisparse", "--no-progress"])
+    assert args.func(args) == 2  # fewer hot rows than top_k
