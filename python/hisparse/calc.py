@@ -707,12 +707,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _standalone(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hisparse")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["calc", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+if __name__ == "__main__":  # python -m hisparse.calc ...: the same as hisparse calc ...
+    from .cli import main as _cli
 
-
-if __name__ == "__main__":
-    raise SystemExit(_standalone())
+    raise SystemExit(_cli(["calc", *sys.argv[1:]]))

@@ -1121,12 +1121,8 @@ impl ResidencyManager {
 
     /// The request's block table as (GPU block or 0, durable host block or -1) per page.
     pub fn block_table(&self, id: u64) -> Result<Vec<(u32, i32)>> {
-        Ok(self
-            .req(id)?
-            .pages
-            .iter()
-            .map(|p| (p.state.table_entry().gpu_block, p.state.table_entry().host_block))
-            .collect())
+        let entries = self.req(id)?.pages.iter().map(|p| p.state.table_entry());
+        Ok(entries.map(|e| (e.gpu_block, e.host_block)).collect())
     }
 
     pub fn page_states(&self, id: u64) -> Result<Vec<&'static str>> {
