@@ -119,13 +119,11 @@ impl Config {
         }
         let need = 1 + self.min_gpu_footprint() as u64 + self.watermark as u64;
         if (self.num_gpu_blocks as u64) < need {
+            let hot = if self.policy.tiers() { self.hot_blocks() } else { 0 };
             return bad(format!(
                 "num_gpu_blocks ({}) cannot back one request: it needs the null block, {} tail pages, a hot \
-                 region of {} blocks and a watermark of {} blocks = {need}; raise the GPU pool or lower hot_rows",
-                self.num_gpu_blocks,
-                self.tail_pages,
-                self.hot_blocks(),
-                self.watermark
+                 region of {hot} blocks and a watermark of {} blocks = {need}; raise the GPU pool or lower hot_rows",
+                self.num_gpu_blocks, self.tail_pages, self.watermark
             ));
         }
         if self.num_host_blocks < self.max_pages() {

@@ -220,7 +220,9 @@ impl ResidencyManager {
             _ => return Err(config_err("give exactly one of num_host_blocks and host_pool_gib".into())),
         };
         let hot_rows = hot_rows.unwrap_or_else(|| Config::default_hot_rows(top_k, speculative_tokens));
-        let hot_blocks = if block_size > 0 { hot_rows.div_ceil(block_size) } else { 0 };
+        let policy = policy.parse::<PressurePolicy>().py()?;
+        // Without tiers nobody leases a hot region, so it does not size the watermark.
+        let hot_blocks = if policy.tiers() && block_size > 0 { hot_rows.div_ceil(block_size) } else { 0 };
         let cfg = Config {
             num_gpu_blocks,
             num_host_blocks,
@@ -232,7 +234,7 @@ impl ResidencyManager {
             num_index_groups,
             tail_pages,
             watermark: watermark.unwrap_or_else(|| Config::default_watermark(num_gpu_blocks, hot_blocks)),
-            policy: policy.parse::<PressurePolicy>().py()?,
+            policy,
             materialize_budget,
             page_bytes,
         };
