@@ -160,24 +160,68 @@ class Layout:
         return [layer for layer, g in enumerate(self.layer_groups) if g == group]
 
 
-class DataPath:
-    """Slab, host pool and resolver state for one worker, on CPU or CUDA."""
+def _adopt(layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: torch.Tensor) -> torch.device:
+    """Checks an engine's own slab and host pool against ``layout``; returns the slab's device."""
+    rows, rb = layout.num_gpu_blocks * layout.block_size, layout.row_bytes
+    want_host = (layout.num_layers, layout.num_host_blocks * layout.block_size, rb)
+    if isinstance(gpu, torch.Tensor):
+        checks = [("gpu", gpu, (layout.num_layers, rows, rb))]
+    else:
+        if len(gpu) != layout.num_layers:
+            raise InvalidArgumentError(f"give {layout.num_layers} layer tensors, not {len(gpu)}")
+        checks = [(f"gpu layer {i}", t, (rows, rb)) for i, t in enumerate(gpu)]
+    for name, t, want in [*checks, ("host", host, want_host)]:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != want:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidArgumentError(f"{name} must be a uint8 tensor of shape {list(want)}, not {got}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous")
+    device = checks[0][1].device
+    if any(t.device != device for _, t, _ in checks):
+        raise InvalidArgumentError("every layer of the slab must be on one device")
+    if host.device.type != "cpu":
+        raise InvalidArgumentError(f"the host pool must be in CPU memory, not on {host.device}")
+    if device.type == "cuda" and not host.is_pinned():
+        raise InvalidArgumentError("the host pool must be pinned when the slab is on CUDA")
+    return device
 
-    def __init__(self, layout: Layout, device: str | torch.device = "cpu"):
+
+class DataPath:
+    """Slab, host pool and resolver state for one worker, on CPU or CUDA.
+
+    The slab and the host pool are allocated here, or adopted from an engine that owns them: ``gpu`` one
+    uint8 tensor ``[layers, num_gpu_blocks * bs, row_bytes]`` or one ``[num_gpu_blocks * bs, row_bytes]``
+    tensor per layer (a block id addresses the same rows in every layer), ``host`` ``[layers,
+    num_host_blocks * bs, row_bytes]`` in CPU memory, pinned when the slab is on CUDA.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        device: str | torch.device = "cpu",
+        *,
+        gpu: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        host: torch.Tensor | None = None,
+    ):
         if layout.row_bytes % 16:
             raise InvalidArgumentError(f"row_bytes ({layout.row_bytes}) must be a multiple of 16")
         if sorted(set(layout.layer_groups)) != list(range(layout.num_groups)):
             raise InvalidArgumentError("layer_groups must name every group from 0 up")
+        if (gpu is None) != (host is None):
+            raise InvalidArgumentError("adopt both the slab and the host pool, or neither")
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = _adopt(layout, gpu, host) if gpu is not None else torch.device(device)
         lay, dev = layout, self.device
         s, p, g, h = lay.max_running, lay.max_pages, lay.num_groups, lay.hot_rows
         i32 = dict(dtype=torch.int32, device=dev)
-        # One slab per layer: a block id addresses the same rows in every layer.
-        self.gpu = torch.zeros(lay.num_layers, lay.num_gpu_blocks * lay.block_size, lay.row_bytes,
-                               dtype=torch.uint8, device=dev)
-        self.host = torch.zeros(lay.num_layers, lay.num_host_blocks * lay.block_size, lay.row_bytes,
-                                dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        if gpu is not None:
+            self.gpu = gpu if isinstance(gpu, torch.Tensor) else list(gpu)
+            self.host = host
+        else:
+            self.gpu = torch.zeros(lay.num_layers, lay.num_gpu_blocks * lay.block_size, lay.row_bytes,
+                                   dtype=torch.uint8, device=dev)
+            self.host = torch.zeros(lay.num_layers, lay.num_host_blocks * lay.block_size, lay.row_bytes,
+                                    dtype=torch.uint8, pin_memory=dev.type == "cuda")
         self.state: dict[str, torch.Tensor] = {
             "seq_lens": torch.zeros(s, **i32),
             "block_table": torch.zeros(s, p, **i32),

@@ -1,0 +1,210 @@
+"""The engine hooks: string ids, the per-step call order (refused clearly when wrong), and a byte-checked loop."""
+
+import pytest
+import torch
+
+from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError
+from hisparse.hooks import CallOrderError, SchedulerHooks, StepResults, WorkerHooks, WorkerStep
+
+LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=200, block_size=8, max_model_len=256, max_running=4,
+                hot_rows=32, row_bytes=32, layer_groups=(0, 0, 1))
+
+
+def pair(layout=LAYOUT, **kw):
+    sched = SchedulerHooks(num_gpu_blocks=layout.num_gpu_blocks, num_host_blocks=layout.num_host_blocks,
+                           block_size=layout.block_size, max_model_len=layout.max_model_len,
+                           max_running=layout.max_running, top_k=16, hot_rows=layout.hot_rows,
+                           num_index_groups=layout.num_groups, page_bytes=layout.page_bytes, **kw)
+    return sched, WorkerHooks.build(layout)
+
+
+def content(rid: str, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    seed = sum(map(ord, rid)) * 1009 + positions.to(torch.int64) * 31 + layer * 7
+    return ((seed[:, None] + torch.arange(LAYOUT.row_bytes)[None, :] * 13) % 251).to(torch.uint8)
+
+
+def run_step(sched, worker, scheduled):
+    step = sched.plan_step(scheduled)
+    assert step.ok
+    worker.apply(step)
+    for r in step.requests:
+        pos = torch.arange(r.start, r.seq_len)
+        for layer in range(LAYOUT.num_layers):
+            worker.write(r.request_id, pos, layer, content(r.request_id, pos, layer))
+    sched.apply_results(worker.end_step())
+    return step
+
+
+def test_call_order_errors_are_clear_and_change_nothing():
+    sched, worker = pair()
+    assert issubclass(CallOrderError, HiSparseError) and issubclass(CallOrderError, InvalidArgumentError)
+    sched.admit("a", 20)
+    topk = torch.zeros(1, 16, dtype=torch.int32)
+    with pytest.raises(CallOrderError, match=r"resolve\(\) outside a step: apply\(\) the plan of step 1 first"):
+        worker.resolve(topk, ["a"])
+    with pytest.raises(CallOrderError, match="end_step"):
+        worker.end_step()
+    step = sched.plan_step([("a", 20)])
+    assert step.step == 1 and step.ok
+    with pytest.raises(CallOrderError, match=r"plan_step\(\) called again before the worker's results of step 1"):
+        sched.plan_step([("a", 1)])
+    with pytest.raises(CallOrderError, match="no step is waiting|step 1 is waiting"):
+        sched.apply_results(StepResults(step=2))
+    worker.apply(step)
+    with pytest.raises(CallOrderError, match="while step 1 is in its forward"):
+        worker.apply(step)
+    row_ids = worker.resolve(torch.arange(16, dtype=torch.int32)[None], ["a"])
+    assert bool((row_ids >= 0).all())
+    results = worker.end_step()
+    with pytest.raises(CallOrderError, match="the plan of step 1 was applied already"):
+        worker.apply(step)
+    with pytest.raises(CallOrderError, match=r"resolve\(\) outside a step"):
+        worker.resolve(topk, ["a"])
+    sched.apply_results(results)
+    with pytest.raises(CallOrderError, match="no step is waiting"):
+        sched.apply_results(results)
+    # The right order still works after all those refusals.
+    step2 = sched.plan_step([("a", 1)])
+    step3_never = WorkerStep(step2.step + 1, step2.plan, step2.requests)
+    with pytest.raises(CallOrderError, match="skips step 2"):
+        worker.apply(step3_never)
+    worker.apply(step2)
+    sched.apply_results(worker.end_step())
+    assert sched.metrics()["steps"] == 2
+
+
+def test_a_short_plan_needs_no_results_and_cannot_be_applied():
+    layout = Layout(num_gpu_blocks=24, num_host_blocks=200, block_size=8, max_model_len=256, max_running=4,
+                    hot_rows=16, row_bytes=32, layer_groups=(0,))
+    sched, worker = pair(layout)
+    sched.admit("big", 200)
+    short = sched.plan_step([("big", 200)])
+    assert not short.ok and short.missing_blocks > 0 and short.step == 0
+    with pytest.raises(CallOrderError, match="short plan"):
+        worker.apply(short)
+    assert sched.awaiting_results is None
+    step = sched.plan_step([("big", 64)])  # a smaller chunk fits; no results were owed for the short plan
+    assert step.ok and step.step == 1
+    worker.apply(step)
+    sched.apply_results(worker.end_step())
+    assert sched.metrics()["short_plans"] == 1
+
+
+def test_string_ids_map_to_core_ids():
+    sched, _ = pair()
+    a = sched.admit("req-a", 10)
+    assert a.row >= 0 and "req-a" in sched
+    with pytest.raises(InvalidArgumentError, match="strings"):
+        sched.admit(7, 10)
+    with pytest.raises(InvalidArgumentError, match="already admitted"):
+        sched.admit("req-a", 10)
+    with pytest.raises(UnknownRequestError, match="req-b"):
+        sched.preempt("req-b")
+    first = sched.core_id("req-a")
+    assert sched.request_id(first) == "req-a"
+    sched.finish("req-a")
+    assert "req-a" not in sched
+    sched.admit("req-a", 10)
+    assert sched.core_id("req-a") != first  # ids are never reused
+    for i in range(3):
+        sched.admit(f"fill-{i}", 10)
+    with pytest.raises(CapacityError) as err:
+        sched.admit("one-too-many", 10)
+    assert err.value.resource == "slots" and "one-too-many" not in sched
+
+
+def test_a_loop_reads_back_every_byte_through_the_hooks():
+    sched, worker = pair()
+    ids = ["a", "b", "c"]
+    for rid in ids:
+        sched.admit(rid, 60, max_len=120)
+    for _ in range(3):
+        run_step(sched, worker, [(rid, 20) for rid in ids])
+    for _ in range(30):
+        run_step(sched, worker, [(rid, 1) for rid in ids])
+        cap = sched.capacity()
+        assert cap["running"] == 3
+    # Pressure moved someone to mixed residency: its cold pages are read through the hot region.
+    assert any(sched.request_info(r)["residency"] != "full" for r in ids)
+    step = run_step(sched, worker, [(rid, 1) for rid in ids])
+    worker.apply(sched.plan_step([(rid, 1) for rid in ids]))
+    for rid in ids:
+        seq_len = sched.request_info(rid)["seq_len"]
+        for start in range(0, seq_len - 1, 16):
+            pos = torch.arange(start, min(start + 16, seq_len - 1), dtype=torch.int32)
+            topk = torch.full((1, 16), -1, dtype=torch.int32)
+            topk[0, : len(pos)] = pos
+            for group in range(LAYOUT.num_groups):
+                row_ids = worker.resolve(topk, [rid], group)
+                for layer in LAYOUT.layers_of(group):
+                    dense = worker.gather(row_ids, layer)[0, : len(pos)]
+                    assert torch.equal(dense, content(rid, pos, layer)), (rid, start, layer)
+    results = worker.end_step()
+    assert results.step == step.step + 1 and set(results.heat) == set(ids)
+    sched.apply_results(results)
+    m = sched.metrics()
+    assert m["misses"] > 0 and m["hits"] >= 0 and m["h2d_bytes"] > 0 and m["transitions"] > 0
+    assert 0.0 <= m["hit_rate"] <= 1.0
+    assert "running 3" in sched.capacity_log()
+    kept = sched.preempt("b")
+    assert kept > 0 and sched.request_info("b")["row"] is None
+    a = sched.resume("b")
+    assert a.cached_tokens == kept
+    for rid in ids:
+        sched.finish(rid)
+    assert sched.capacity()["running"] == 0
+
+
+def test_worker_refuses_wrong_writes_and_unknown_requests():
+    sched, worker = pair()
+    sched.admit("a", 20)
+    step = sched.plan_step([("a", 20)])
+    worker.apply(step)
+    with pytest.raises(InvalidArgumentError, match="writes positions 0..19"):
+        worker.token_rows("a", torch.tensor([20]))
+    with pytest.raises(UnknownRequestError):
+        worker.token_rows("zzz", torch.tensor([0]))
+    with pytest.raises(InvalidArgumentError, match="uint8"):
+        worker.write("a", torch.arange(2), 0, torch.zeros(2, LAYOUT.row_bytes))
+    with pytest.raises(InvalidArgumentError, match="group"):
+        worker.resolve(torch.zeros(1, 16, dtype=torch.int32), ["a"], group=5)
+    sched.apply_results(worker.end_step())
+
+
+def test_register_uses_the_engines_tensors():
+    gpu = torch.zeros(LAYOUT.num_layers, LAYOUT.num_gpu_blocks * LAYOUT.block_size, LAYOUT.row_bytes,
+                      dtype=torch.uint8)
+    host = torch.zeros(LAYOUT.num_layers, LAYOUT.num_host_blocks * LAYOUT.block_size, LAYOUT.row_bytes,
+                       dtype=torch.uint8)
+    worker = WorkerHooks.register(LAYOUT, gpu, host)
+    assert worker.dp.gpu is gpu and worker.dp.host is host and worker.layout == LAYOUT
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        WorkerHooks.register(LAYOUT, gpu[:, :8], host)
+    with pytest.raises(InvalidArgumentError, match="uint8"):
+        WorkerHooks.register(LAYOUT, gpu.float(), host)
+    sched, _ = pair()
+    sched.admit("a", 24)
+    worker.apply(sched.plan_step([("a", 24)]))
+    pos = torch.arange(24)
+    worker.write("a", pos, 2, content("a", pos, 2))
+    rows = worker.token_rows("a", pos)
+    assert torch.equal(gpu[2, rows], content("a", pos, 2))
+    sched.apply_results(worker.end_step())
+
+
+def test_mirror_copies_rewritten_rows_with_a_host_copy():
+    sched, worker = pair()
+    sched.admit("a", 16)
+    worker.apply(sched.plan_step([("a", 16)]))
+    sched.apply_results(worker.end_step())
+    step = sched.plan_step([("a", 1)])  # plans the host copy of the two complete pages
+    worker.apply(step)
+    assert step.plan.materialize
+    row = worker.row("a")
+    # An engine that rewrites an already durable row (e.g. a speculative rollback): pretend page 2 is durable.
+    worker.dp.state["host_table"][row, 2] = 7
+    pos = torch.tensor([16])
+    worker.write("a", pos, 0, torch.full((1, LAYOUT.row_bytes), 5, dtype=torch.uint8))
+    assert worker.mirror_written() == 1
+    assert bool((worker.dp.host[0, 7 * LAYOUT.block_size] == 5).all())
+    sched.apply_results(worker.end_step())
