@@ -18,7 +18,7 @@ build: $(STAMP)
 	maturin develop --release -q
 
 run: build
-	$(PY) -m hisparse scenario
+	$(PY) -m hisparse demo
 
 lint: $(STAMP)
 	cargo fmt --all -- --check

@@ -7,12 +7,14 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__, calc, scenario, simulate
+from .engine import demo
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hisparse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo.add_parser(sub)
     scenario.add_parser(sub)
     calc.add_parser(sub)
     simulate.add_parser(sub)
