@@ -127,3 +127,31 @@ def test_threads_drive_independent_managers():
         t.join()
     assert not errors, errors
     assert len(results) == 3 and all(r["no_data_lost"] and r["rows_verified"] > 0 for r in results)
+
+
+def test_a_request_gone_before_the_next_plan_leaves_no_restore_behind():
+    """admit (a tail restore is queued) then finish before any plan: the block goes to someone else, and the
+    next plan must restore it once, from that someone's host page (regression: two copies raced)."""
+    from hisparse import DataPath, Layout
+    from hisparse.scenario import Driver
+
+    lay = Layout(num_gpu_blocks=11, num_host_blocks=64, block_size=4, max_model_len=32, max_running=4,
+                 hot_rows=4, row_bytes=16, layer_groups=(0,))
+    m = ResidencyManager(num_gpu_blocks=11, num_host_blocks=64, block_size=4, max_model_len=32, max_running=4,
+                         top_k=4, hot_rows=4, tail_pages=1, watermark=0, page_bytes=lay.page_bytes)
+    d = Driver(m, DataPath(lay), top_k=4)
+    for rid, family in [(100, 1), (101, 2)]:  # two prefixes made durable on the host
+        d.admit(rid, 13, family=family, shared_tokens=12, max_len=16)
+        d.step([(rid, 13)])
+        d.step([(rid, 0)])
+        d.complete()
+        m.finish(rid)
+    d.admit(7, 32, max_len=32)
+    d.step([(7, 32)])
+    d.step([])
+    d.admit(1, 13, family=1, shared_tokens=12, max_len=16)
+    m.finish(1)
+    d.admit(2, 13, family=2, shared_tokens=12, max_len=16)
+    restores = [r for _ in range(3) for r in d.step([]).restores]
+    assert len({gpu for gpu, _ in restores}) == len(restores) == 1
+    assert d.verify_all(2) == 12

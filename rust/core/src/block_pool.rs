@@ -31,12 +31,6 @@ struct BlockMeta {
     hash: Option<u64>,
 }
 
-/// What reusing a block took away from others.
-#[derive(Debug, Default)]
-pub struct Reuse {
-    pub readers: Vec<Reader>,
-}
-
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     meta: Vec<BlockMeta>,
@@ -103,9 +97,9 @@ impl BlockPool {
         self.free.contains(b)
     }
 
-    /// Takes the least recently freed block, pinned once. Its readers lose it: the caller must turn their
-    /// pages host-only in this same step.
-    pub fn allocate(&mut self) -> Option<(BlockId, Reuse)> {
+    /// Takes the least recently freed block, pinned once, and returns it with its former readers: they lose
+    /// it, and the caller must turn their pages host-only in this same step.
+    pub fn allocate(&mut self) -> Option<(BlockId, Vec<Reader>)> {
         let b = self.free.front()?;
         self.released -= self.is_released(b) as u32;
         self.free.remove(b);
@@ -114,7 +108,7 @@ impl BlockPool {
         if let Some(h) = meta.hash.take() {
             self.by_hash.remove(&h);
         }
-        Some((b, Reuse { readers: std::mem::take(&mut meta.readers) }))
+        Some((b, std::mem::take(&mut meta.readers)))
     }
 
     /// Pins a block once more; a free block leaves the free list, keeping its content and readers.
@@ -170,11 +164,6 @@ impl BlockPool {
     pub fn lookup(&self, hash: u64) -> Option<BlockId> {
         self.by_hash.get(&hash).copied()
     }
-
-    /// Free blocks in the order they will be reused.
-    pub fn free_order(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.free.iter()
-    }
 }
 
 #[cfg(test)]
@@ -196,9 +185,9 @@ mod tests {
         assert_eq!(pool.lookup(99), Some(a));
         // Block 3 was freed first (never used), so it goes before the released block 1.
         assert_eq!(pool.allocate().unwrap().0, 3);
-        let (again, reuse) = pool.allocate().unwrap();
+        let (again, readers) = pool.allocate().unwrap();
         assert_eq!(again, a);
-        assert_eq!(reuse.readers, vec![reader]);
+        assert_eq!(readers, vec![reader]);
         assert_eq!(pool.lookup(99), None);
         assert!(pool.allocate().is_none());
         assert!(pool.unpin(b).is_ok() && pool.unpin(b).is_err());

@@ -77,8 +77,12 @@ impl Config {
     /// The default hot rows: `2 * top_k` without speculation (room for a step's misses beside the rows
     /// the indexer keeps selecting), `(q + 1) * top_k` with `q` speculative tokens, whose verification
     /// rows resolve together.
-    pub fn default_hot_rows(top_k: u32, speculative_tokens: u32) -> u32 {
-        (speculative_tokens + 1).max(2) * top_k
+    pub fn default_hot_rows(top_k: u32, speculative_tokens: u32) -> Result<u32> {
+        speculative_tokens.saturating_add(1).max(2).checked_mul(top_k).ok_or_else(|| {
+            CoreError::Config(format!(
+                "{speculative_tokens} speculative tokens x top_k {top_k} overflows hot_rows"
+            ))
+        })
     }
 
     pub fn hot_blocks(&self) -> u32 {
@@ -104,6 +108,15 @@ impl Config {
         let bad = |m: String| Err(CoreError::Config(m));
         if self.block_size == 0 || self.top_k == 0 || self.hot_rows == 0 || self.max_model_len == 0 {
             return bad("block_size, top_k, hot_rows and max_model_len must be positive".into());
+        }
+        // Bookkeeping is a few bytes per block: beyond this a typo would exhaust memory before any error.
+        const MAX_BLOCKS: u32 = 1 << 28;
+        if self.num_gpu_blocks > MAX_BLOCKS || self.num_host_blocks > MAX_BLOCKS || self.max_running > 1 << 20
+        {
+            return bad(format!(
+                "pools are limited to {MAX_BLOCKS} blocks and 2^20 running requests (got {} GPU, {} host, {} running)",
+                self.num_gpu_blocks, self.num_host_blocks, self.max_running
+            ));
         }
         if self.num_index_groups == 0 || self.max_running == 0 {
             return bad("num_index_groups and max_running must be positive".into());

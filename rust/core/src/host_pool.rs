@@ -140,10 +140,6 @@ impl HostPool {
         self.cached.touch(h);
         Some(h)
     }
-
-    pub fn is_published(&self, h: HostBlockId) -> bool {
-        self.meta[h as usize].hash.is_some()
-    }
 }
 
 #[cfg(test)]

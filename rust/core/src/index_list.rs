@@ -90,6 +90,7 @@ impl IndexList {
         }
     }
 
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         let mut cur = self.head;
         std::iter::from_fn(move || {

@@ -17,6 +17,8 @@ impl ResidencyManager {
         let mut rows = HashSet::new();
         let mut host_reserved = 0u64;
         let mut running = 0u64;
+        // Blocks only one owner may hold: pages still being written or copied, and hot regions.
+        let mut exclusive: Vec<u32> = Vec::new();
         for (&id, r) in &self.requests {
             host_reserved += r.max_len.div_ceil(cfg.block_size) as u64;
             let n = r.pages.len();
@@ -47,6 +49,9 @@ impl ResidencyManager {
                 let in_tail = r.in_tail(page, cfg.tail_pages);
                 if let Some(b) = p.state.pinned_block() {
                     *pins.entry(b).or_default() += 1;
+                    if matches!(p.state, PageState::Dirty { .. } | PageState::Copying { .. }) {
+                        exclusive.push(b);
+                    }
                 }
                 if let Some(h) = p.state.durable_host() {
                     *host_refs.entry(h).or_default() += 1;
@@ -96,6 +101,7 @@ impl ResidencyManager {
                 }
                 for &b in hot {
                     *pins.entry(b).or_default() += 1;
+                    exclusive.push(b);
                 }
             }
         }
@@ -103,6 +109,11 @@ impl ResidencyManager {
             if let CopyOwner::Orphan { block, host, .. } = *owner {
                 *pins.entry(block).or_default() += 1;
                 *host_refs.entry(host).or_default() += 1;
+            }
+        }
+        for &b in &exclusive {
+            if pins.get(&b) != Some(&1) || !self.pool.readers(b).is_empty() {
+                return invariant(format!("block {b} is written by one owner but shared or still read"));
             }
         }
         let mut free = 0;

@@ -18,7 +18,7 @@ use crate::config::{Config, PressurePolicy};
 use crate::error::{invalid, invariant, CoreError, Resource, Result};
 use crate::host_pool::{HostBlockId, HostPool};
 use crate::page::{PageState, Residency, TransferId};
-use crate::plan::{HotUpdate, PageCopy, StepPlan, TableUpdate, Transition};
+use crate::plan::{HotUpdate, PageCopy, Restore, StepPlan, TableUpdate, Transition};
 
 #[derive(Clone, Debug)]
 struct Page {
@@ -78,23 +78,6 @@ impl Request {
     }
 }
 
-/// The two kinds of page that relief brings back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PageKind {
-    Released,
-    HostOnly,
-}
-
-impl PageKind {
-    fn of(state: &PageState) -> Option<Self> {
-        match state {
-            PageState::Released { .. } => Some(PageKind::Released),
-            PageState::HostOnly { .. } => Some(PageKind::HostOnly),
-            _ => None,
-        }
-    }
-}
-
 /// Who waits for an in-flight copy: a page, or nobody any more (its request finished or was preempted)
 /// while the copy still reads the block, which therefore stays pinned until the copy ends.
 #[derive(Clone, Copy, Debug)]
@@ -113,8 +96,18 @@ struct DryRun {
 }
 
 impl DryRun {
+    fn block(m: &ResidencyManager, request: u64, page: u32) -> BlockId {
+        m.requests[&request].pages[page as usize].state.table_entry().gpu_block
+    }
+
+    /// Pins left on the page's block in this dry run.
+    fn pins_left(&self, m: &ResidencyManager, request: u64, page: u32) -> u32 {
+        let block = Self::block(m, request, page);
+        self.pins.get(&block).copied().unwrap_or_else(|| m.pool.ref_count(block))
+    }
+
     fn release(&mut self, m: &ResidencyManager, request: u64, page: u32) {
-        let block = m.requests[&request].pages[page as usize].state.pinned_block().expect("a clean page");
+        let block = Self::block(m, request, page);
         let left = self.pins.entry(block).or_insert_with(|| m.pool.ref_count(block));
         *left -= 1;
         if *left == 0 {
@@ -202,7 +195,9 @@ struct Pending {
     pages: Vec<(u64, u32)>,
     hot_rows: Vec<u64>,
     seq_lens: Vec<u64>,
-    restores: Vec<PageCopy>,
+    /// Pages restored from the host; resolved when the plan is drained, so a request that finished or was
+    /// preempted in between contributes no copy into a block that is no longer its own.
+    restores: Vec<(u64, u32, BlockId)>,
     transitions: Vec<Transition>,
     released: u32,
     lost: u32,
@@ -291,10 +286,10 @@ impl ResidencyManager {
 
     /// Takes a block from the pool; released pages that were still reading it become host-only now.
     fn take_block(&mut self) -> Result<BlockId> {
-        let Some((block, reuse)) = self.pool.allocate() else {
+        let Some((block, readers)) = self.pool.allocate() else {
             return invariant("the pool ran dry after the step was checked to fit");
         };
-        for Reader { request, page } in reuse.readers {
+        for Reader { request, page } in readers {
             let before = self.req(request)?.residency(self.cfg.tail_pages);
             let state = self.req(request)?.pages[page as usize].state.lose_block()?;
             self.set_page(request, page, state)?;
@@ -365,14 +360,7 @@ impl ResidencyManager {
         let mut heap = ColdHeap::new();
         if self.cfg.policy == PressurePolicy::Coldest {
             // Pages of requests that already hold a hot region cost nothing extra to release.
-            let mut holders: Vec<(u64, u64)> = self
-                .requests
-                .iter()
-                .filter(|(_, r)| r.hot.is_some() && r.row().is_some())
-                .map(|(&id, r)| (r.order, id))
-                .collect();
-            holders.sort_unstable();
-            for (_, id) in holders {
+            for id in self.hot_holders() {
                 add_cursor(&self.requests, id, 0, &mut cursors, &mut heap);
             }
         }
@@ -389,11 +377,14 @@ impl ResidencyManager {
                 break;
             };
             tried.insert(id);
-            let r = &self.requests[&id];
-            let mut own: Vec<u32> = r.releasable.iter().map(|&(_, p)| p).collect();
-            if self.cfg.policy == PressurePolicy::Fifo {
-                // vLLM's order: every clean page, newest first.
-                own.sort_unstable_by(|a, b| b.cmp(a));
+            let own: Vec<u32> = match self.cfg.policy {
+                PressurePolicy::Fifo => self.newest_first(id),
+                _ => self.requests[&id].releasable.iter().map(|&(_, p)| p).collect(),
+            };
+            // Pages shared with other requests free nothing when this one lets go: count what it really frees.
+            let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count() as i64;
+            if gain <= hot_cost {
+                continue;
             }
             // Release its own pages first while the pool cannot pay for its hot region; under fifo all of them.
             let before = run.clone();
@@ -456,15 +447,15 @@ impl ResidencyManager {
         Ok(())
     }
 
-    /// Makes `needed` blocks obtainable, releasing pages if the watermark asks for it; on failure nothing
-    /// changed and the error says how many blocks are missing.
-    fn reclaim(&mut self, needed: u32, prefer: &[u64], base: &[(u64, u32)]) -> std::result::Result<(), u32> {
+    /// Makes `needed` blocks obtainable, releasing pages if the watermark asks for it. Returns the blocks
+    /// still missing (nothing changed then), or 0.
+    fn reclaim(&mut self, needed: u32, prefer: &[u64], base: &[(u64, u32)]) -> Result<u32> {
         let (actions, free_after) = self.plan_pressure(needed, prefer, base);
         if free_after < needed as i64 {
-            return Err((needed as i64 - free_after) as u32);
+            return Ok((needed as i64 - free_after) as u32);
         }
-        self.apply_pressure(&actions).expect("pressure actions were checked in the dry run");
-        Ok(())
+        self.apply_pressure(&actions)?;
+        Ok(0)
     }
 
     // ----------------------------------------------------------------------------------------------
@@ -611,7 +602,8 @@ impl ResidencyManager {
         for &(_, b) in &adopt {
             self.pool.pin(b);
         }
-        if let Err(missing) = self.reclaim(needed, &[], &[]) {
+        let missing = self.reclaim(needed, &[], &[])?;
+        if missing > 0 {
             for &(_, b) in &adopt {
                 self.pool.unpin(b).expect("just pinned");
             }
@@ -638,11 +630,10 @@ impl ResidencyManager {
         }
         for page in restore_from..n {
             let state = self.req(id)?.pages[page].state;
-            if let PageState::HostOnly { host } = state {
+            if let PageState::HostOnly { .. } = state {
                 let block = self.take_block()?;
                 self.set_page(id, page as u32, state.restore(block)?)?;
-                self.pending.restores.push(PageCopy { transfer: 0, gpu_block: block, host_block: host });
-                self.stats.total_restored += 1;
+                self.pending.restores.push((id, page as u32, block));
             }
         }
         if self.req(id)?.host_only > 0 {
@@ -677,11 +668,12 @@ impl ResidencyManager {
             }
             needed += (new_len as u32).div_ceil(bs) - r.pages.len() as u32;
         }
-        self.note_written()?;
         let prefer: Vec<u64> = scheduled.iter().map(|&(id, _)| id).collect();
-        if let Err(missing) = self.reclaim(needed, &prefer, &self.fifo_stragglers()) {
+        let missing = self.reclaim(needed, &prefer, &self.fifo_stragglers())?;
+        if missing > 0 {
             return Ok(StepPlan { missing_blocks: missing, ..StepPlan::default() });
         }
+        self.note_written();
         for &(id, tokens) in scheduled {
             self.grow(id, tokens)?;
         }
@@ -692,7 +684,7 @@ impl ResidencyManager {
     }
 
     /// Tokens of the previous plan are written now: queue the pages they completed for a host copy.
-    fn note_written(&mut self) -> Result<()> {
+    fn note_written(&mut self) {
         let bs = self.cfg.block_size;
         for id in std::mem::take(&mut self.last_scheduled) {
             let Some(r) = self.requests.get_mut(&id) else {
@@ -704,7 +696,6 @@ impl ResidencyManager {
             }
             r.complete_pages = r.complete_pages.max(complete);
         }
-        Ok(())
     }
 
     /// Under `fifo`, a request in mixed residency releases every page as soon as it is clean and cold.
@@ -712,19 +703,17 @@ impl ResidencyManager {
         if self.cfg.policy != PressurePolicy::Fifo {
             return Vec::new();
         }
-        let mut holders: Vec<(u64, u64)> = self
-            .requests
-            .iter()
-            .filter(|(_, r)| r.hot.is_some() && !r.releasable.is_empty())
-            .map(|(&id, r)| (r.order, id))
-            .collect();
-        holders.sort_unstable();
-        let mut pages = Vec::new();
-        for (_, id) in holders {
-            let mut own: Vec<u32> = self.requests[&id].releasable.iter().map(|&(_, p)| p).collect();
-            own.sort_unstable_by(|a, b| b.cmp(a));
-            pages.extend(own.into_iter().map(|page| (id, page)));
-        }
+        let holders = self.hot_holders();
+        holders
+            .into_iter()
+            .flat_map(|id| self.newest_first(id).into_iter().map(move |page| (id, page)))
+            .collect()
+    }
+
+    /// A request's releasable pages, newest first: the order in which vLLM lets them go.
+    fn newest_first(&self, id: u64) -> Vec<u32> {
+        let mut pages: Vec<u32> = self.requests[&id].releasable.iter().map(|&(_, p)| p).collect();
+        pages.sort_unstable_by(|a, b| b.cmp(a));
         pages
     }
 
@@ -757,60 +746,74 @@ impl ResidencyManager {
         self.note_transition(id, before)
     }
 
-    /// When the pool has room again, requests go back to full residency, oldest first: host-only pages
-    /// are restored (within the copy budget), released ones pinned again, and the hot region returned.
-    /// Only blocks nobody reads count as room, and a hot region's worth of slack stays above the
-    /// watermark so the next step does not flip back.
-    fn relieve(&mut self) -> Result<()> {
-        let hot_cost = self.hot_cost() as i64;
-        let mut candidates: Vec<(u64, u64)> = self
+    /// Requests that hold a hot region, oldest first.
+    fn hot_holders(&self) -> Vec<u64> {
+        let mut holders: Vec<(u64, u64)> = self
             .requests
             .iter()
             .filter(|(_, r)| r.hot.is_some() && r.row().is_some())
             .map(|(&id, r)| (r.order, id))
             .collect();
-        candidates.sort_unstable();
-        let mut budget = self.cfg.materialize_budget as i64;
-        for (_, id) in candidates {
-            let host_only = self.req(id)?.host_only as i64;
-            let room = self.pool.num_unread_free() as i64 - host_only + hot_cost;
-            if host_only > budget || room < self.cfg.watermark as i64 + 2 * hot_cost {
-                break;
+        holders.sort_unstable();
+        holders.into_iter().map(|(_, id)| id).collect()
+    }
+
+    /// When the pool has room again, requests go back to full residency, oldest first: host-only pages
+    /// are restored (up to the copy budget per step, so a long history comes back over several steps),
+    /// and once none is left, released pages are pinned again and the hot region returned. Only blocks
+    /// nobody reads count as room, and a hot region's worth of slack stays above the watermark so the
+    /// next step does not flip back.
+    fn relieve(&mut self) -> Result<()> {
+        let hot_cost = self.hot_cost() as i64;
+        let slack = self.cfg.watermark as i64 + 2 * hot_cost;
+        let mut budget = self.cfg.materialize_budget;
+        for id in self.hot_holders() {
+            let r = self.req(id)?;
+            let restoring = r.host_only.min(budget);
+            let completes = restoring == r.host_only;
+            let room = self.pool.num_unread_free() as i64 - restoring as i64 + completes as i64 * hot_cost;
+            if room < slack || (!completes && restoring == 0) {
+                continue;
             }
-            budget -= host_only;
-            let before = self.req(id)?.residency(self.cfg.tail_pages);
-            // Its own released blocks first: once pinned, restoring the rest cannot take them away.
-            for kind in [PageKind::Released, PageKind::HostOnly] {
-                let pages: Vec<u32> = (0..self.req(id)?.pages.len() as u32)
-                    .filter(|&p| {
-                        PageKind::of(&self.req(id).expect("live").pages[p as usize].state) == Some(kind)
-                    })
-                    .collect();
-                for page in pages {
-                    let state = self.req(id)?.pages[page as usize].state;
-                    let next = match state {
-                        PageState::Released { block, .. } => {
-                            self.pool.remove_reader(block, Reader { request: id, page })?;
-                            self.pool.pin(block);
-                            state.repin()?
-                        }
-                        PageState::HostOnly { host } => {
-                            let block = self.take_block()?;
-                            self.pending.restores.push(PageCopy {
-                                transfer: 0,
-                                gpu_block: block,
-                                host_block: host,
-                            });
-                            self.stats.total_restored += 1;
-                            state.restore(block)?
-                        }
-                        _ => return invariant(format!("request {id} page {page} changed while relieved")),
-                    };
-                    self.set_page(id, page, next)?;
-                }
+            budget -= restoring;
+            let before = r.residency(self.cfg.tail_pages);
+            if completes {
+                // Pinned first, so that taking blocks for the restores cannot reuse its own released pages.
+                self.repin_released(id)?;
             }
-            self.return_hot(id)?;
+            let r = self.req(id)?;
+            let host_only: Vec<u32> = (0..r.pages.len() as u32)
+                .filter(|&p| r.pages[p as usize].state.is_host_only())
+                .take(restoring as usize)
+                .collect();
+            for page in host_only {
+                let state = self.req(id)?.pages[page as usize].state;
+                let block = self.take_block()?;
+                self.set_page(id, page, state.restore(block)?)?;
+                self.pending.restores.push((id, page, block));
+            }
+            if completes {
+                self.return_hot(id)?;
+            }
             self.note_transition(id, before)?;
+        }
+        Ok(())
+    }
+
+    /// Pins a request's released pages again (before its hot region goes back).
+    fn repin_released(&mut self, id: u64) -> Result<()> {
+        let r = self.req(id)?;
+        let released: Vec<u32> = (0..r.pages.len() as u32)
+            .filter(|&p| matches!(r.pages[p as usize].state, PageState::Released { .. }))
+            .collect();
+        for page in released {
+            let state = self.req(id)?.pages[page as usize].state;
+            let PageState::Released { block, .. } = state else {
+                return invariant(format!("request {id} page {page} changed while being pinned again"));
+            };
+            self.pool.remove_reader(block, Reader { request: id, page })?;
+            self.pool.pin(block);
+            self.set_page(id, page, state.repin()?)?;
         }
         Ok(())
     }
@@ -858,22 +861,30 @@ impl ResidencyManager {
         let p = std::mem::take(&mut self.pending);
         let mut plan = StepPlan {
             cleared_rows: p.cleared_rows,
-            restores: p.restores,
             transitions: p.transitions,
             released_pages: p.released,
             lost_pages: p.lost,
             ..StepPlan::default()
         };
+        let running = |id: &u64| self.requests.get(id).and_then(|r| Some((r, r.row()?)));
+        let mut restores = p.restores;
+        restores.sort_unstable();
+        restores.dedup();
+        for (id, page, block) in restores {
+            let Some((r, _)) = running(&id) else { continue };
+            if let Some(PageState::Clean { block: b, host }) = r.pages.get(page as usize).map(|p| p.state) {
+                if b == block {
+                    plan.restores.push(Restore { gpu_block: block, host_block: host });
+                }
+            }
+        }
+        self.stats.total_restored += plan.restores.len() as u64;
         let mut pages = p.pages;
         pages.sort_unstable();
         pages.dedup();
         for (id, page) in pages {
-            let Some(r) = self.requests.get(&id) else {
-                continue;
-            };
-            let (Some(row), Some(pg)) = (r.row(), r.pages.get(page as usize)) else {
-                continue;
-            };
+            let Some((r, row)) = running(&id) else { continue };
+            let Some(pg) = r.pages.get(page as usize) else { continue };
             let e = pg.state.table_entry();
             plan.table_updates.push(TableUpdate {
                 row,
@@ -882,22 +893,18 @@ impl ResidencyManager {
                 host_block: e.host_block,
             });
         }
-        for (ids, hot) in [(p.seq_lens, false), (p.hot_rows, true)] {
-            let mut ids = ids;
-            ids.sort_unstable();
-            ids.dedup();
-            for id in ids {
-                let Some(r) = self.requests.get(&id) else {
-                    continue;
-                };
-                let Some(row) = r.row() else { continue };
-                if hot {
-                    plan.hot_updates.push(HotUpdate { row, blocks: r.hot.clone().unwrap_or_default() });
-                } else {
-                    plan.seq_lens.push((row, r.seq_len));
-                }
-            }
-        }
+        let mut seq_lens = p.seq_lens;
+        seq_lens.sort_unstable();
+        seq_lens.dedup();
+        plan.seq_lens = seq_lens.iter().filter_map(&running).map(|(r, row)| (row, r.seq_len)).collect();
+        let mut hot_rows = p.hot_rows;
+        hot_rows.sort_unstable();
+        hot_rows.dedup();
+        plan.hot_updates = hot_rows
+            .iter()
+            .filter_map(&running)
+            .map(|(r, row)| HotUpdate { row, blocks: r.hot.clone().unwrap_or_default() })
+            .collect();
         plan
     }
 

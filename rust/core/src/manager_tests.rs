@@ -50,7 +50,16 @@ impl World {
         for h in &plan.hot_updates {
             self.hot.insert(h.row, h.blocks.clone());
         }
+        let mut targets: Vec<u32> = plan.restores.iter().map(|c| c.gpu_block).collect();
+        targets.sort_unstable();
+        targets.dedup();
+        assert_eq!(targets.len(), plan.restores.len(), "two restores into one block: {:?}", plan.restores);
         for c in &plan.restores {
+            let owned = m.request_ids().into_iter().any(|id| {
+                m.request_info(id).unwrap().row.is_some()
+                    && m.block_table(id).unwrap().contains(&(c.gpu_block, c.host_block as i32))
+            });
+            assert!(owned, "restore {c:?} is no running page's current entry");
             self.gpu[c.gpu_block as usize] = self.host[c.host_block as usize];
         }
         for c in &plan.materialize {

@@ -13,6 +13,13 @@ pub struct PageCopy {
     pub host_block: HostBlockId,
 }
 
+/// A whole-page copy from a host block into a GPU block (every layer), done before the forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Restore {
+    pub gpu_block: BlockId,
+    pub host_block: HostBlockId,
+}
+
 /// The final block-table entry of one page of one state row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableUpdate {
@@ -56,7 +63,7 @@ pub struct StepPlan {
     pub seq_lens: Vec<(u32, u32)>,
     pub table_updates: Vec<TableUpdate>,
     pub hot_updates: Vec<HotUpdate>,
-    pub restores: Vec<PageCopy>,
+    pub restores: Vec<Restore>,
     pub materialize: Vec<PageCopy>,
     pub transitions: Vec<Transition>,
     /// Pages released under pressure in this step.

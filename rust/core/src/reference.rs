@@ -312,6 +312,9 @@ fn resolve_request(
 
 /// `gather` of SPEC.md for one layer: `out` is `[rows * top_k, row_bytes]`.
 pub fn gather(row_ids: &[i32], slab: &[u8], row_bytes: usize, out: &mut [u8]) -> Result<()> {
+    if row_bytes == 0 {
+        return invalid("row_bytes must be positive");
+    }
     check_len("dense output", out.len(), row_ids.len() * row_bytes)?;
     let rows = slab.len() / row_bytes;
     if let Some(&bad) = row_ids.iter().find(|&&r| r >= 0 && r as usize >= rows) {
@@ -348,13 +351,17 @@ pub fn copy_units(
         return invalid("pairs must have shape [n, 2]");
     }
     let bytes = unit * row_bytes;
+    if bytes == 0 {
+        return invalid("copies need a positive unit and row size");
+    }
     for l in layers.iter() {
         for pair in pairs.chunks_exact(2) {
             let (g, h) = (pair[0], pair[1]);
             if g < 0 || h < 0 {
                 continue;
             }
-            if (g as usize + 1) * bytes > l.gpu.len() || (h as usize + 1) * bytes > l.host.len() {
+            // Compared in units, so a huge index cannot overflow into a passing bound.
+            if g as u64 >= (l.gpu.len() / bytes) as u64 || h as u64 >= (l.host.len() / bytes) as u64 {
                 return invalid(format!("copy pair ({g}, {h}) is outside the slab or the host pool"));
             }
         }

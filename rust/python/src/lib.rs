@@ -59,11 +59,11 @@ fn request(v: i64) -> PyResult<u64> {
         .map_err(|_| to_pyerr(CoreError::InvalidArgument(format!("request ids are non-negative, got {v}"))))
 }
 
-trait IntoPy<T> {
+trait PyResultExt<T> {
     fn py(self) -> PyResult<T>;
 }
 
-impl<T> IntoPy<T> for hisparse_core::Result<T> {
+impl<T> PyResultExt<T> for hisparse_core::Result<T> {
     fn py(self) -> PyResult<T> {
         self.map_err(to_pyerr)
     }
@@ -211,15 +211,22 @@ impl ResidencyManager {
         let config_err = |m: String| to_pyerr(CoreError::Config(m));
         let num_host_blocks = match (num_host_blocks, host_pool_gib) {
             (Some(n), None) => n,
-            (None, Some(gib)) if page_bytes > 0 && gib > 0.0 => {
-                (gib * (1u64 << 30) as f64 / page_bytes as f64) as u32
+            (None, Some(gib)) if page_bytes > 0 && gib.is_finite() && gib > 0.0 => {
+                let blocks = gib * (1u64 << 30) as f64 / page_bytes as f64;
+                if blocks > u32::MAX as f64 {
+                    return Err(config_err(format!("host_pool_gib {gib} is {blocks:.0} blocks: too many")));
+                }
+                blocks as u32
             }
             (None, Some(_)) => {
                 return Err(config_err("host_pool_gib needs a positive page_bytes and size".into()))
             }
             _ => return Err(config_err("give exactly one of num_host_blocks and host_pool_gib".into())),
         };
-        let hot_rows = hot_rows.unwrap_or_else(|| Config::default_hot_rows(top_k, speculative_tokens));
+        let hot_rows = match hot_rows {
+            Some(rows) => rows,
+            None => Config::default_hot_rows(top_k, speculative_tokens).py()?,
+        };
         let policy = policy.parse::<PressurePolicy>().py()?;
         // Without tiers nobody leases a hot region, so it does not size the watermark.
         let hot_blocks = if policy.tiers() && block_size > 0 { hot_rows.div_ceil(block_size) } else { 0 };
