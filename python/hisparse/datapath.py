@@ -4,6 +4,11 @@ that runs the CUDA kernels on CUDA tensors and the Rust CPU reference (the speci
 
 A :class:`DataPath` mirrors the manager's tables from the :class:`~hisparse._core.StepPlan` s it applies;
 it never asks the manager anything, exactly like a worker process would.
+
+On CPU tensors the Rust reference reads and writes the tensors' memory directly, with the GIL released:
+no other thread may resize, free or write a tensor passed to this module while the call runs. Every
+tensor's dtype, device, contiguity and shape are checked here, and no tensor that is written may overlap
+any other tensor of the same call (Rust would hold aliasing ``&mut`` slices); this module is the only guard.
 """
 
 from __future__ import annotations
@@ -46,13 +51,41 @@ def _buf(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] 
 
 
 def _rows_view(t: torch.Tensor, name: str, row_bytes: int) -> tuple[int, int]:
+    buf = _buf(t, name, torch.uint8)
     if t.dim() != 2 or t.shape[1] != row_bytes:
         raise InvalidArgumentError(f"{name} must be [rows, {row_bytes}] uint8, not {list(t.shape)}")
-    return _buf(t, name, torch.uint8)
+    return buf
+
+
+def _check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
+    """Refuses a call in which a tensor that is written overlaps any other tensor of the call.
+
+    Rust views each buffer as a slice, and a ``&mut`` slice overlapping any other slice is undefined
+    behaviour. Byte ranges are compared, not storages: the layers of one slab are disjoint views of one
+    storage. Tensors only read may overlap each other. Call after ``_buf``, so that every tensor is
+    contiguous and its range is exactly ``numel * element_size`` bytes.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name in written, name)
+        for name, t in [*written.items(), *read.items()]
+        if t.numel()  # an empty slice aliases nothing
+    )
+    # Sweep in order of start address: a span overlaps an earlier one iff it starts before the earlier
+    # spans' furthest end; only overlaps involving a written span count, so track both furthest ends.
+    furthest = furthest_written = None
+    for span in spans:
+        start, end, writes, name = span
+        other = furthest if writes else furthest_written
+        if other is not None and start < other[1]:
+            raise InvalidArgumentError(f"{other[3]} and {name} overlap in memory, and one of them is written")
+        if furthest is None or end > furthest[1]:
+            furthest = span
+        if writes and (furthest_written is None or end > furthest_written[1]):
+            furthest_written = span
 
 
 def _geometry(state: dict[str, torch.Tensor], block_size: int, row_bytes: int) -> tuple[int, int, int, int, int]:
-    rows, pages = state["block_table"].shape
+    pages = state["block_table"].shape[1]
     _, groups, hot_rows = state["hot_pos"].shape
     return block_size, pages, hot_rows, groups, row_bytes
 
@@ -75,50 +108,48 @@ def resolve_reference(
     group: int,
     block_size: int,
     out: torch.Tensor,
-    miss_plan: torch.Tensor | None = None,
 ) -> None:
-    """``resolve`` of SPEC.md on CPU tensors (the same keywords as :func:`hisparse.kernels.ops.resolve`).
+    """``resolve`` of SPEC.md on CPU tensors (the keywords of :func:`hisparse.kernels.ops.resolve`, less
+    ``miss_plan`` / ``miss_count``, which only the CUDA resolver records).
 
     ``gpu_layers`` / ``host_layers`` are the group's layers, each ``[rows, row_bytes]`` uint8.
     """
-    if miss_plan is not None:
-        raise InvalidArgumentError("miss_plan is produced by the CUDA resolver only")
     if topk.dim() != 2:
         raise InvalidArgumentError(f"topk must be [rows, top_k], not {list(topk.shape)}")
     if len(gpu_layers) != len(host_layers) or not gpu_layers:
         raise InvalidArgumentError("give the same positive number of GPU and host layers")
-    rows, top_k = topk.shape
-    row_bytes = gpu_layers[0].shape[-1]
-    s = block_table.shape[0]
-    state = dict(
-        seq_lens=seq_lens,
-        block_table=block_table,
-        host_table=host_table,
-        hot_blocks=hot_blocks,
-        hot_pos=hot_pos,
-        hot_lru=hot_lru,
-        heat=heat,
-        status=status,
-        counters=counters,
-    )
     if hot_pos.dim() != 3 or block_table.dim() != 2:
         raise InvalidArgumentError("block_table must be [S, P] and hot_pos [S, G, H]")
-    bufs = [
-        _buf(t, name, torch.int64 if name == "counters" else torch.int32)
-        for name, t in state.items()
-    ]
+    rows, top_k = topk.shape
+    s, groups = block_table.shape[0], hot_pos.shape[1]
+    if not 0 <= group < groups:
+        raise InvalidArgumentError(f"group {group} is out of range: the state has {groups} index groups")
     if seq_lens.shape != (s,) or status.shape != (s,):
         raise InvalidArgumentError("seq_lens and status must be [S]")
+    read = dict(seq_lens=seq_lens, block_table=block_table, host_table=host_table, hot_blocks=hot_blocks)
+    written = dict(hot_pos=hot_pos, hot_lru=hot_lru, heat=heat, status=status, counters=counters)
+    state = {**read, **written}
+    bufs = [_buf(t, name, torch.int64 if name == "counters" else torch.int32) for name, t in state.items()]
+    row_bytes = gpu_layers[0].shape[-1]
+    gpu = {f"gpu layer {i}": t for i, t in enumerate(gpu_layers)}
+    host = {f"host layer {i}": t for i, t in enumerate(host_layers)}
+    gpu_bufs = [_rows_view(t, name, row_bytes) for name, t in gpu.items()]
+    host_bufs = [_rows_view(t, name, row_bytes) for name, t in host.items()]
+    topk_buf = _buf(topk, "topk", torch.int32)
+    row_state_buf = _buf(row_state, "row_state", torch.int32, (rows,))
+    out_buf = _buf(out, "out", torch.int32, (rows, top_k))
+    # Rust takes every layer, the host ones too, as a mutable slice.
+    _check_disjoint({**written, **gpu, **host, "out": out}, {**read, "topk": topk, "row_state": row_state})
     _core._ref_resolve(
         _geometry(state, block_size, row_bytes),
         bufs,
-        _buf(topk, "topk", torch.int32),
+        topk_buf,
         top_k,
-        _buf(row_state, "row_state", torch.int32, (rows,)),
+        row_state_buf,
         group,
-        [_rows_view(t, "gpu layer", row_bytes) for t in gpu_layers],
-        [_rows_view(t, "host layer", row_bytes) for t in host_layers],
-        _buf(out, "out", torch.int32, (rows, top_k)),
+        gpu_bufs,
+        host_bufs,
+        out_buf,
     )
 
 
@@ -134,6 +165,17 @@ class Layout:
     hot_rows: int
     row_bytes: int
     layer_groups: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running",
+                     "hot_rows", "row_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
+        if self.row_bytes % 16:  # the kernels move rows in 16-byte vectors
+            raise InvalidArgumentError(f"row_bytes ({self.row_bytes}) must be a multiple of 16")
+        if not self.layer_groups or sorted(set(self.layer_groups)) != list(range(max(self.layer_groups) + 1)):
+            raise InvalidArgumentError("layer_groups must name every group from 0 up")
 
     @property
     def num_layers(self) -> int:
@@ -183,6 +225,9 @@ def _adopt(layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: tor
         raise InvalidArgumentError(f"the host pool must be in CPU memory, not on {host.device}")
     if device.type == "cuda" and not host.is_pinned():
         raise InvalidArgumentError("the host pool must be pinned when the slab is on CUDA")
+    # Layers sharing memory would overwrite each other; refused here already rather than at the first copy.
+    slabs = {name: t for name, t, _ in checks} | ({"host": host} if device.type == "cpu" else {})
+    _check_disjoint(slabs, {})
     return device
 
 
@@ -203,10 +248,6 @@ class DataPath:
         gpu: torch.Tensor | Sequence[torch.Tensor] | None = None,
         host: torch.Tensor | None = None,
     ):
-        if layout.row_bytes % 16:
-            raise InvalidArgumentError(f"row_bytes ({layout.row_bytes}) must be a multiple of 16")
-        if sorted(set(layout.layer_groups)) != list(range(layout.num_groups)):
-            raise InvalidArgumentError("layer_groups must name every group from 0 up")
         if (gpu is None) != (host is None):
             raise InvalidArgumentError("adopt both the slab and the host pool, or neither")
         self.layout = layout
@@ -242,6 +283,7 @@ class DataPath:
         On CPU the copies are done when this returns; the caller reports them to the manager whenever it
         likes (late or out of order is fine).
         """
+        self._check_plan(plan)
         st, dev = self.state, self.device
         for row in plan.cleared_rows:
             st["seq_lens"][row] = 0
@@ -268,6 +310,38 @@ class DataPath:
             self.copy_blocks([(g, h) for _, g, h in copies], to_host=True)
         return [t for t, _, _ in copies]
 
+    def _check_plan(self, plan: _core.StepPlan) -> None:
+        """Checks every index ``apply`` will use against the layout, so that a plan from a manager sized
+        differently is refused before anything is written (torch would fail halfway, or wrap negatives)."""
+        lay = self.layout
+
+        def check(what: str, value: int, low: int, end: int) -> None:
+            if not low <= value < end:
+                raise InvalidArgumentError(
+                    f"the plan's {what} {value} is outside {low}..{end - 1} of this data path's layout "
+                    "(is the manager configured larger than the Layout?)"
+                )
+
+        rows, pages, gpu_blocks, host_blocks = lay.max_running, lay.max_pages, lay.num_gpu_blocks, lay.num_host_blocks
+        for row in plan.cleared_rows:
+            check("cleared row", row, 0, rows)
+        for row, seq_len in plan.seq_lens:
+            check("state row", row, 0, rows)
+            check("seq_len", seq_len, 0, lay.max_model_len + 1)
+        for row, page, gpu, host in plan.table_updates:
+            check("state row", row, 0, rows)
+            check("page", page, 0, pages)
+            check("GPU block", gpu, 0, gpu_blocks)
+            check("host block", host, -1, host_blocks)
+        for row, blocks in plan.hot_updates:
+            check("state row", row, 0, rows)
+            check("hot region length", len(blocks), 0, lay.hot_blocks + 1)
+            for block in blocks:
+                check("hot GPU block", block, 0, gpu_blocks)
+        for gpu, host in [*plan.restores, *((g, h) for _, g, h in plan.materialize)]:
+            check("copied GPU block", gpu, 0, gpu_blocks)
+            check("copied host block", host, 0, host_blocks)
+
     def _reset_hot(self, row: int, blocks: Sequence[int]) -> None:
         st = self.state
         st["hot_blocks"][row] = 0
@@ -280,6 +354,9 @@ class DataPath:
 
     def resolve(self, topk: torch.Tensor, row_state: torch.Tensor, group: int = 0) -> torch.Tensor:
         """Row ids into every layer of ``group`` for ``topk`` [rows, top_k] positions (see SPEC.md)."""
+        groups = self.layout.num_groups
+        if not 0 <= group < groups:  # checked first: an unknown group has no layers to complain about
+            raise InvalidArgumentError(f"group {group} is out of range: the layout has {groups} index groups")
         out = torch.empty(topk.shape, dtype=torch.int32, device=self.device)
         layers = self.layout.layers_of(group)
         kwargs = dict(
@@ -302,18 +379,19 @@ class DataPath:
 
     def gather(self, row_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """Dense rows [rows, top_k, row_bytes] of one layer; zeros for -1."""
+        if not 0 <= layer < self.layout.num_layers:  # a negative index would silently read another layer
+            raise InvalidArgumentError(f"layer {layer} is out of range: the layout has {self.layout.num_layers} layers")
         out = torch.empty(*row_ids.shape, self.layout.row_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             from .kernels import ops
 
             ops.gather(row_ids=row_ids, slab=self.gpu[layer], out=out)
             return out
-        _core._ref_gather(
-            _buf(row_ids, "row_ids", torch.int32),
-            _buf(self.gpu[layer], "slab", torch.uint8),
-            self.layout.row_bytes,
-            _buf(out, "out", torch.uint8),
-        )
+        slab = self.gpu[layer]
+        row_ids_buf, slab_buf = _buf(row_ids, "row_ids", torch.int32), _buf(slab, "slab", torch.uint8)
+        out_buf = _buf(out, "out", torch.uint8)
+        _check_disjoint({"out": out}, {"row_ids": row_ids, "slab": slab})
+        _core._ref_gather(row_ids_buf, slab_buf, self.layout.row_bytes, out_buf)
         return out
 
     def _copy(self, pairs: Sequence[tuple[int, int]], unit: int, to_host: bool) -> None:
@@ -333,14 +411,14 @@ class DataPath:
                 pairs32 = t.to(torch.int32).to(self.device)
                 ops.copy_blocks(pairs=pairs32, block_size=lay.block_size, **layers)
             return
-        _core._ref_copy(
-            _buf(t, "pairs", torch.int64),
-            unit,
-            lay.row_bytes,
-            to_host,
-            [_rows_view(g, "gpu layer", lay.row_bytes) for g in self.gpu],
-            [_rows_view(h, "host layer", lay.row_bytes) for h in self.host],
-        )
+        gpu = {f"gpu layer {i}": g for i, g in enumerate(self.gpu)}
+        host = {f"host layer {i}": h for i, h in enumerate(self.host)}
+        gpu_bufs = [_rows_view(g, name, lay.row_bytes) for name, g in gpu.items()]
+        host_bufs = [_rows_view(h, name, lay.row_bytes) for name, h in host.items()]
+        pairs_buf = _buf(t, "pairs", torch.int64)
+        # Rust takes both sides of every layer as mutable slices, whichever way the copy goes.
+        _check_disjoint({**gpu, **host}, {"pairs": t})
+        _core._ref_copy(pairs_buf, unit, lay.row_bytes, to_host, gpu_bufs, host_bufs)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
         """Whole pages, every layer: materialize (``to_host``) or restore."""
@@ -355,18 +433,17 @@ class DataPath:
         if not pairs:
             return
         t = torch.tensor(list(pairs), dtype=torch.int32)
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise InvalidArgumentError("pairs must be (state row, position) pairs")
         if self.device.type == "cuda":
             from .kernels import ops
 
             ops.invalidate(pairs=t.to(self.device), hot_pos=self.state["hot_pos"], hot_lru=self.state["hot_lru"])
             return
-        lay = self.layout
-        _core._ref_invalidate(
-            _geometry(self.state, lay.block_size, lay.row_bytes),
-            _buf(self.state["hot_pos"], "hot_pos", torch.int32),
-            _buf(self.state["hot_lru"], "hot_lru", torch.int32),
-            _buf(t, "pairs", torch.int32),
-        )
+        lay, hot = self.layout, {name: self.state[name] for name in ("hot_pos", "hot_lru")}
+        bufs = [_buf(v, name, torch.int32) for name, v in {**hot, "pairs": t}.items()]
+        _check_disjoint(hot, {"pairs": t})
+        _core._ref_invalidate(_geometry(self.state, lay.block_size, lay.row_bytes), *bufs)
 
     # ------------------------------------------------------------------ helpers for engines and tests
 

@@ -1,0 +1,337 @@
+"""The guards of ``hisparse.datapath``: it is all that stands between a bad argument and the Rust CPU
+reference, which turns raw buffers into (mutable) slices with the GIL released."""
+
+import inspect
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse import DataPath, InvalidArgumentError, Layout, ResidencyManager
+from hisparse.datapath import _check_disjoint, resolve_reference
+
+LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
+                hot_rows=16, row_bytes=16, layer_groups=(0, 1, 1))
+# As many host as GPU blocks, so that one tensor can pose as both the slab and the host pool.
+SQUARE = Layout(**{**LAYOUT.__dict__, "num_host_blocks": LAYOUT.num_gpu_blocks})
+ROWS = LAYOUT.num_gpu_blocks * LAYOUT.block_size
+TOP_K = 8
+
+
+def filled(layout: Layout = LAYOUT, **adopted) -> DataPath:
+    """A data path with random slab and host contents and a state that is not all defaults."""
+    dp = DataPath(layout, **adopted)
+    gen = torch.Generator().manual_seed(0)
+    for t in [*dp.gpu, *dp.host]:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    dp.apply(fake_plan(**VALID))
+    return dp
+
+
+def snapshot(dp: DataPath) -> dict[str, torch.Tensor]:
+    return {
+        **{k: v.clone() for k, v in dp.state.items()},
+        **{f"gpu {i}": t.clone() for i, t in enumerate(dp.gpu)},
+        **{f"host {i}": t.clone() for i, t in enumerate(dp.host)},
+    }
+
+
+def assert_unchanged(dp: DataPath, before: dict[str, torch.Tensor]) -> None:
+    after = snapshot(dp)
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{k} changed"
+
+
+def overlap_error(a: str, b: str):
+    """pytest.raises for an overlap of ``a`` and ``b``, named in either order."""
+    return pytest.raises(InvalidArgumentError, match=rf"^({a} and {b}|{b} and {a}) overlap in memory")
+
+
+def reference_kwargs(dp: DataPath, group: int = 0) -> dict:
+    """resolve_reference's keywords for a valid call on ``dp``'s state."""
+    layers = dp.layout.layers_of(group)
+    return dict(
+        topk=torch.zeros(2, TOP_K, dtype=torch.int32),
+        row_state=torch.tensor([0, 1], dtype=torch.int32),
+        **dp.state,
+        gpu_layers=[dp.gpu[layer] for layer in layers],
+        host_layers=[dp.host[layer] for layer in layers],
+        group=group,
+        block_size=dp.layout.block_size,
+        out=torch.zeros(2, TOP_K, dtype=torch.int32),
+    )
+
+
+# ------------------------------------------------------------------ 1. aliasing
+
+
+def test_the_layers_of_one_slab_are_disjoint_not_aliased():
+    """Views of one storage are fine as long as their byte ranges do not meet."""
+    storage = torch.zeros(6, ROWS, LAYOUT.row_bytes, dtype=torch.uint8)
+    dp = filled(SQUARE, gpu=list(storage[:3]), host=storage[3:])
+    dp.mirror([(4, 5)])
+    dp.copy_blocks([(2, 3)], to_host=False)
+    assert torch.equal(dp.host[1][5], dp.gpu[1][4]) and torch.equal(dp.gpu[2][8:12], dp.host[2][12:16])
+    dp.resolve(torch.zeros(1, TOP_K, dtype=torch.int32), torch.tensor([0], dtype=torch.int32), group=1)
+    assert dp.gather(torch.tensor([[4, -1]], dtype=torch.int32), 1)[0, 0].equal(dp.gpu[1][4])
+    dp.invalidate([(0, 0)])
+
+
+def test_adopted_layers_that_share_memory_are_refused():
+    t = torch.zeros(ROWS, LAYOUT.row_bytes, dtype=torch.uint8)
+    other = torch.zeros_like(t)
+    host = torch.zeros(3, LAYOUT.num_host_blocks * LAYOUT.block_size, LAYOUT.row_bytes, dtype=torch.uint8)
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        DataPath(LAYOUT, gpu=[t, t, other], host=host)
+    # A partial overlap counts as much as a full one.
+    big = torch.zeros(3 * ROWS, LAYOUT.row_bytes, dtype=torch.uint8)
+    with overlap_error("gpu layer 1", "gpu layer 2"):
+        DataPath(LAYOUT, gpu=[big[:ROWS], big[ROWS : 2 * ROWS], big[2 * ROWS - 1 : 3 * ROWS - 1]], host=host)
+
+
+def test_a_slab_that_is_the_host_pool_is_refused():
+    t = torch.zeros(3, ROWS, LAYOUT.row_bytes, dtype=torch.uint8)
+    with overlap_error("gpu", "host"):
+        DataPath(SQUARE, gpu=t, host=t)
+    with overlap_error("gpu layer 2", "host"):
+        DataPath(SQUARE, gpu=[torch.zeros_like(t[0]), torch.zeros_like(t[0]), t[1]], host=t)
+
+
+def test_copies_refuse_aliased_layers_and_write_nothing():
+    """Attributes swapped after construction are caught at the call."""
+    dp = filled(SQUARE)
+    before = snapshot(dp)
+    gpu, host = dp.gpu, dp.host
+    dp.gpu = [gpu[0], gpu[0], gpu[2]]
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        dp.mirror([(1, 1)])
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        dp.copy_blocks([(1, 1)], to_host=False)
+    dp.gpu, dp.host = gpu, gpu  # the slab as the host pool
+    with overlap_error("gpu layer 0", "host layer 0"):
+        dp.copy_blocks([(1, 1)], to_host=True)
+    dp.gpu, dp.host = gpu, host
+    assert_unchanged(dp, before)
+
+
+def test_resolve_and_invalidate_refuse_aliased_state():
+    dp = filled()
+    before = snapshot(dp)
+    topk, row_state = torch.zeros(1, TOP_K, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    hot_lru, gpu = dp.state["hot_lru"], dp.gpu
+    dp.state["hot_lru"] = dp.state["hot_pos"]
+    with overlap_error("hot_pos", "hot_lru"):
+        dp.invalidate([(0, 1)])
+    with overlap_error("hot_pos", "hot_lru"):
+        dp.resolve(topk, row_state)
+    dp.state["hot_lru"] = hot_lru
+    dp.gpu = [gpu[0], gpu[1], gpu[1]]  # group 1 reads layers 1 and 2
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        dp.resolve(topk, row_state, group=1)
+    dp.gpu = gpu
+    assert_unchanged(dp, before)
+
+
+def test_resolve_reference_refuses_every_overlap_with_a_written_buffer():
+    dp = filled()
+    before = snapshot(dp)
+    kw = reference_kwargs(dp)
+    cases = [
+        (dict(hot_lru=kw["hot_pos"]), ("hot_pos", "hot_lru")),
+        (dict(out=kw["topk"]), ("topk", "out")),
+        (dict(out=dp.state["heat"].view(-1)[: 2 * TOP_K].view(2, TOP_K)), ("heat", "out")),
+        (dict(out=dp.state["block_table"].view(-1)[3 : 3 + 2 * TOP_K].view(2, TOP_K)), ("block_table", "out")),
+        (dict(gpu_layers=kw["host_layers"]), ("gpu layer 0", "host layer 0")),
+        (dict(gpu_layers=[dp.host[0][: ROWS]]), ("gpu layer 0", "host layer 0")),
+    ]
+    for change, names in cases:
+        with overlap_error(*names):
+            resolve_reference(**{**kw, **change})
+    assert_unchanged(dp, before)
+
+
+def test_buffers_that_are_only_read_may_overlap():
+    dp = filled()
+    kw = reference_kwargs(dp)
+    topk = torch.zeros(2, TOP_K, dtype=torch.int32)
+    resolve_reference(**{**kw, "topk": topk, "row_state": topk.view(-1)[3:5]})  # row_state [0, 0] inside topk
+    assert kw["out"].min() >= 0  # position 0 of request row 0 is resident or fetched
+
+
+def test_gather_and_invalidate_shapes_of_aliasing():
+    """Overlaps that DataPath's own calls cannot produce (it allocates out and pairs itself)."""
+    slab = torch.zeros(64, 16, dtype=torch.uint8)
+    with overlap_error("out", "slab"):
+        _check_disjoint({"out": slab[8:24]}, {"row_ids": torch.zeros(16, dtype=torch.int32), "slab": slab})
+    hot_pos, hot_lru = torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)
+    with overlap_error("hot_pos", "pairs"):
+        _check_disjoint({"hot_pos": hot_pos, "hot_lru": hot_lru}, {"pairs": hot_pos.view(-1)[10:14].view(2, 2)})
+
+
+def test_a_write_inside_a_long_read_is_seen_past_a_short_read():
+    """Address order read [0, 100), read [10, 20), written [50, 60): the write meets the first read."""
+    buf = torch.zeros(100, dtype=torch.uint8)
+    with overlap_error("long", "w"):
+        _check_disjoint({"w": buf[50:60]}, {"long": buf, "short": buf[10:20]})
+    _check_disjoint({"w": buf[:0], "v": buf[:0]}, {"all": buf})  # empty buffers alias nothing
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12), st.booleans()), max_size=8))
+def test_check_disjoint_agrees_with_every_pair(spans):
+    buf = torch.zeros(64, dtype=torch.int16)  # 2-byte elements: ranges are compared in bytes
+    tensors = {f"t{i}": (buf[start : start + n], writes) for i, (start, n, writes) in enumerate(spans)}
+    clash = any(
+        (wa or wb) and a.numel() and b.numel()
+        and a.data_ptr() < b.data_ptr() + 2 * b.numel() and b.data_ptr() < a.data_ptr() + 2 * a.numel()
+        for (a, wa), (b, wb) in itertools.combinations(tensors.values(), 2)
+    )
+    written = {k: t for k, (t, w) in tensors.items() if w}
+    read = {k: t for k, (t, w) in tensors.items() if not w}
+    if clash:
+        with pytest.raises(InvalidArgumentError, match="overlap in memory"):
+            _check_disjoint(written, read)
+    else:
+        _check_disjoint(written, read)
+
+
+# ------------------------------------------------------------------ 2. layout
+
+
+@pytest.mark.parametrize("field", ["num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len",
+                                   "max_running", "hot_rows", "row_bytes"])
+@pytest.mark.parametrize("value", [0, -16, 16.0, True])
+def test_layout_sizes_must_be_positive_integers(field, value):
+    with pytest.raises(InvalidArgumentError, match=f"{field} must be a positive integer"):
+        Layout(**{**LAYOUT.__dict__, field: value})
+
+
+@pytest.mark.parametrize("row_bytes", [8, 24, 17])
+def test_row_bytes_must_be_a_multiple_of_16(row_bytes):
+    with pytest.raises(InvalidArgumentError, match="multiple of 16"):
+        Layout(**{**LAYOUT.__dict__, "row_bytes": row_bytes})
+
+
+@pytest.mark.parametrize("groups", [(), (1,), (0, 2), (-1, 0)])
+def test_layer_groups_must_name_every_group_from_0(groups):
+    with pytest.raises(InvalidArgumentError, match="layer_groups"):
+        Layout(**{**LAYOUT.__dict__, "layer_groups": groups})
+
+
+# ------------------------------------------------------------------ 3. group and layer indices
+
+
+@pytest.mark.parametrize("group", [2, -1, 7])
+def test_resolve_names_a_group_out_of_range(group):
+    dp = filled()
+    before = snapshot(dp)
+    topk, row_state = torch.zeros(1, TOP_K, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match=rf"group {group} is out of range: the layout has 2 index groups"):
+        dp.resolve(topk, row_state, group=group)
+    with pytest.raises(InvalidArgumentError, match=rf"group {group} is out of range"):
+        resolve_reference(**{**reference_kwargs(dp), "group": group})
+    assert_unchanged(dp, before)
+
+
+@pytest.mark.parametrize("layer", [3, -1])
+def test_gather_names_a_layer_out_of_range(layer):
+    with pytest.raises(InvalidArgumentError, match=rf"layer {layer} is out of range"):
+        filled().gather(torch.zeros(1, 2, dtype=torch.int32), layer)
+
+
+def test_invalidate_wants_pairs():
+    dp = filled()
+    before = snapshot(dp)
+    with pytest.raises(InvalidArgumentError, match="pairs"):
+        dp.invalidate([(0, 1, 2), (0, 3, 4)])  # six numbers: three pairs to Rust if not caught
+    assert_unchanged(dp, before)
+
+
+# ------------------------------------------------------------------ 4. plans are checked before they are applied
+
+
+def fake_plan(**fields) -> SimpleNamespace:
+    empty = dict(cleared_rows=[], seq_lens=[], table_updates=[], hot_updates=[], restores=[], materialize=[])
+    return SimpleNamespace(**{**empty, **fields})
+
+
+# Touches every part of the state and both copy directions; each bad plan below comes after these entries,
+# so that an apply writing as it goes would have changed something before it failed.
+VALID = dict(
+    cleared_rows=[5],
+    seq_lens=[(0, 9), (1, 96)],
+    table_updates=[(0, 0, 1, -1), (0, 1, 2, 7), (1, 23, 39, 39)],
+    hot_updates=[(0, [3, 4, 5, 6]), (1, [])],
+    restores=[(8, 9)],
+    materialize=[(1, 10, 11)],
+)
+BAD = {
+    "cleared row 6": dict(cleared_rows=[6]),
+    "cleared row -1": dict(cleared_rows=[-1]),
+    "state row 6": dict(seq_lens=[(6, 1)]),
+    "seq_len 97": dict(seq_lens=[(2, 97)]),
+    "seq_len -1": dict(seq_lens=[(2, -1)]),
+    "page 24": dict(table_updates=[(2, 24, 1, -1)]),
+    "GPU block 40": dict(table_updates=[(2, 0, 40, -1)]),
+    "host block 160": dict(table_updates=[(2, 0, 1, 160)]),
+    "host block -2": dict(table_updates=[(2, 0, 1, -2)]),
+    "state row -1": dict(table_updates=[(-1, 0, 1, -1)]),
+    "hot region length 5": dict(hot_updates=[(2, [1, 2, 3, 4, 5])]),
+    "hot GPU block 40": dict(hot_updates=[(2, [1, 40])]),
+    "copied GPU block 40": dict(restores=[(40, 1)]),
+    "copied host block 160": dict(materialize=[(2, 1, 160)]),
+    "copied host block -1": dict(restores=[(1, -1)]),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD))
+def test_a_plan_outside_the_layout_changes_nothing(what):
+    dp = filled()
+    before = snapshot(dp)
+    plan = fake_plan(**{k: v + BAD[what].get(k, []) for k, v in VALID.items()})
+    with pytest.raises(InvalidArgumentError, match=f"the plan's {what} is outside"):
+        dp.apply(plan)
+    assert_unchanged(dp, before)
+
+
+def manager(**larger) -> ResidencyManager:
+    sizes = dict(num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
+                 max_model_len=LAYOUT.max_model_len, max_running=LAYOUT.max_running, hot_rows=LAYOUT.hot_rows)
+    return ResidencyManager(block_size=LAYOUT.block_size, top_k=TOP_K, num_index_groups=LAYOUT.num_groups,
+                            watermark=4, page_bytes=LAYOUT.page_bytes, **{**sizes, **larger})
+
+
+@pytest.mark.parametrize(
+    "larger, requests, refused",
+    [
+        (dict(max_running=12, num_gpu_blocks=80, num_host_blocks=800), [10] * 8, "state row 6"),
+        (dict(max_model_len=400, num_gpu_blocks=400, num_host_blocks=800), [10, 200], "seq_len 200"),
+        (dict(num_gpu_blocks=400, num_host_blocks=800), [90] * 4, r"GPU block \d+"),
+    ],
+)
+def test_a_plan_from_a_larger_manager_changes_nothing(larger, requests, refused):
+    m, dp = manager(**larger), filled()
+    m.admit(0, 8)
+    dp.apply(m.plan_step([(0, 8)]))  # a valid step first, so that there is state to damage
+    before = snapshot(dp)
+    for rid, n in enumerate(requests, start=1):
+        m.admit(rid, n)
+    plan = m.plan_step([(rid, n) for rid, n in enumerate(requests, start=1)])
+    assert plan.ok
+    with pytest.raises(InvalidArgumentError, match=f"the plan's {refused} is outside .* of this data path's layout"):
+        dp.apply(plan)
+    assert_unchanged(dp, before)
+
+
+# ------------------------------------------------------------------ 5. no dead parameters
+
+
+def test_resolve_reference_takes_no_miss_plan():
+    """The CPU reference records no miss plan; the keyword is gone rather than accepted only to fail."""
+    assert "miss_plan" not in inspect.signature(resolve_reference).parameters
+    dp = filled()
+    with pytest.raises(TypeError):
+        resolve_reference(**reference_kwargs(dp), miss_plan=torch.zeros(2 * TOP_K, 2, dtype=torch.int64))
