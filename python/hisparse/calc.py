@@ -75,6 +75,8 @@ import sys
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
+from .argtypes import nonnegative_float, nonnegative_int, positive_int
+
 GIB = 2**30
 BLOCK_TOKENS = 64
 INDEXER_ROW_BYTES = 132  # 128 fp8 values + one fp32 scale
@@ -616,36 +618,6 @@ def format_table(r: CalcResult) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def add_parser(subparsers: Any) -> None:
     """Register ``calc`` on an ``argparse`` subparsers object (``set_defaults(func=main)``)."""
     p = subparsers.add_parser(
@@ -658,29 +630,29 @@ def add_parser(subparsers: Any) -> None:
                    help=f"model preset (default {DEFAULT_MODEL}, the page's)")
     p.add_argument("--gpu", type=str.lower, choices=sorted(GPU_MEMORY_GB), default="h200",
                    help="GPU: H200 141 GB, B200 180 GB, B300 288 GB (default h200)")
-    p.add_argument("--tp", type=_positive_int, default=8, help="tensor-parallel size (default 8)")
-    p.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size; totals multiply (default 1)")
+    p.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size (default 8)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel size; totals multiply (default 1)")
     p.add_argument("--no-ep", dest="ep", action="store_false",
                    help="no expert parallelism: experts are sharded over TP only")
     p.add_argument("--kv-dtype", type=str.lower, choices=KV_DTYPES, default="fp8", help="KV cache dtype (default fp8)")
-    p.add_argument("--seq", type=_positive_int, default=DEFAULT_SEQ_LEN,
+    p.add_argument("--seq", type=positive_int, default=DEFAULT_SEQ_LEN,
                    help=f"tokens per request (default {DEFAULT_SEQ_LEN})")
     hot = p.add_mutually_exclusive_group()
-    hot.add_argument("--hot-rows", type=_positive_int, default=None,
+    hot.add_argument("--hot-rows", type=positive_int, default=None,
                      help="hot rows per request and group (default 2 x top_k = 4096)")
-    hot.add_argument("--mtp", type=_nonnegative_int, default=None,
+    hot.add_argument("--mtp", type=nonnegative_int, default=None,
                      help="MTP draft tokens K: hot rows = (K + 2) x top_k")
-    p.add_argument("--groups", type=_positive_int, default=None,
+    p.add_argument("--groups", type=positive_int, default=None,
                    help="hot groups per request (default: the model's, 20 for glm-5.3)")
-    p.add_argument("--retained-pages", type=_nonnegative_int, default=DEFAULT_RETAINED_PAGES,
+    p.add_argument("--retained-pages", type=nonnegative_int, default=DEFAULT_RETAINED_PAGES,
                    help=f"tail pages each group keeps on the GPU (default {DEFAULT_RETAINED_PAGES})")
-    p.add_argument("--host-gib", type=_gib, default=None,
+    p.add_argument("--host-gib", type=nonnegative_float, default=None,
                    help="host pool per replica (default: the minimum, within [16, 4096])")
-    p.add_argument("--max-seqs", type=_positive_int, default=DEFAULT_MAX_SEQS,
+    p.add_argument("--max-seqs", type=positive_int, default=DEFAULT_MAX_SEQS,
                    help=f"scheduler cap on running requests per replica (default {DEFAULT_MAX_SEQS})")
-    p.add_argument("--kv-hbm-gib", type=_gib, default=None,
+    p.add_argument("--kv-hbm-gib", type=nonnegative_float, default=None,
                    help="KV HBM per GPU, instead of budget - weights - 15 GiB")
-    p.add_argument("--mla-row-bytes", type=_positive_int, default=None,
+    p.add_argument("--mla-row-bytes", type=positive_int, default=None,
                    help="sparse-MLA row bytes per layer and token (default: the model's; 656 is vLLM fp8_ds_mla)")
     p.add_argument("--accounting", choices=ACCOUNTING_MODES, default="exact",
                    help="'exact' (default): the page's formula; 'core': the Rust core's steady-state accounting")

@@ -92,6 +92,7 @@ from typing import Any
 from . import calc
 from . import sim_constants as K
 from ._core import ResidencyManager
+from .argtypes import positive_float, positive_int, positive_int_list
 from .errors import CapacityError
 
 GIB = 2**30
@@ -834,36 +835,6 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _concurrency(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"concurrency values must be positive, got {text!r}")
-    return values
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return v
-
-
 def add_parser(subparsers: Any) -> None:
     """Register ``simulate`` on an ``argparse`` subparsers object (``set_defaults(func=main)``)."""
     p = subparsers.add_parser(
@@ -873,22 +844,22 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--policy", choices=(*TIER_POLICIES, "both"), default="both",
                    help="hisparse pressure policy (offload always runs the core's 'resident')")
-    p.add_argument("--concurrency", type=_concurrency, default=list(K.CONCURRENCY),
+    p.add_argument("--concurrency", type=positive_int_list, default=list(K.CONCURRENCY),
                    help="comma-separated conversations in flight (default 1,8,16,24,32)")
-    p.add_argument("--duration", type=_positive_float, default=1800.0,
+    p.add_argument("--duration", type=positive_float, default=1800.0,
                    help="simulated seconds per point (default 1800)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="stop a point after this many steps")
+    p.add_argument("--steps", type=positive_int, default=None, help="stop a point after this many steps")
     p.add_argument("--seed", type=int, default=0)
     hot = p.add_mutually_exclusive_group()
-    hot.add_argument("--hot-rows", type=_positive_int, default=None,
+    hot.add_argument("--hot-rows", type=positive_int, default=None,
                      help="hot rows per request (default (MTP + 2) x top_k = 10,240)")
     hot.add_argument("--adaptive-hot-rows", action="store_true",
                      help="the largest hot buffer that lets every request of the concurrency run at steady state")
-    p.add_argument("--kv-hbm-gib", type=_positive_float, default=None,
+    p.add_argument("--kv-hbm-gib", type=positive_float, default=None,
                    help="KV HBM per GPU (default: hisparse calc's, 17.8 GiB; FACTS.md quotes ~26 GiB measured)")
     p.add_argument("--mtp", type=int, choices=range(0, 8), default=K.SPECULATIVE_TOKENS, metavar="Q",
                    help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
-    p.add_argument("--accept-length", type=_positive_float, default=K.MTP_ACCEPT_LENGTH,
+    p.add_argument("--accept-length", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
                    help="mean tokens per decode step with MTP (default 3.48, measured)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw running requests over time per mode")
