@@ -78,6 +78,12 @@ impl HostPool {
         true
     }
 
+    /// Reserves blocks that are already held (copies still in flight), even beyond the pool: until they
+    /// are returned, admissions see the pool as that much fuller.
+    pub fn reserve_held(&mut self, blocks: u64) {
+        self.reserved += blocks;
+    }
+
     pub fn unreserve(&mut self, blocks: u64) {
         debug_assert!(self.reserved >= blocks);
         self.reserved -= blocks;

@@ -109,6 +109,7 @@ impl ResidencyManager {
             if let CopyOwner::Orphan { block, host, .. } = *owner {
                 *pins.entry(block).or_default() += 1;
                 *host_refs.entry(host).or_default() += 1;
+                host_reserved += 1;
             }
         }
         for &b in &exclusive {

@@ -82,8 +82,17 @@ impl Request {
 /// while the copy still reads the block, which therefore stays pinned until the copy ends.
 #[derive(Clone, Copy, Debug)]
 enum CopyOwner {
-    Page { request: u64, page: u32 },
-    Orphan { block: BlockId, host: HostBlockId, hash: Option<u64> },
+    Page {
+        request: u64,
+        page: u32,
+    },
+    /// An orphan's host block carries a host reservation of its own until the copy ends, so admission
+    /// never promises that block to anyone meanwhile.
+    Orphan {
+        block: BlockId,
+        host: HostBlockId,
+        hash: Option<u64>,
+    },
 }
 
 /// The pressure dry run's view of the pool: free blocks and the pins left on blocks it released pages of
@@ -490,7 +499,7 @@ impl ResidencyManager {
             return Err(CoreError::Capacity {
                 resource: Resource::HostBlocks,
                 needed: host_need,
-                available: self.host.num_blocks() as u64 - self.host.reserved(),
+                available: (self.host.num_blocks() as u64).saturating_sub(self.host.reserved()),
                 message: format!(
                     "the host pool cannot back request {id}: it needs {host_need} host blocks at its max_len, \
                      {} of {} are reserved by admitted requests; raise host_pool_gib or finish requests",
@@ -924,6 +933,7 @@ impl ResidencyManager {
             match self.copies.remove(t).expect("checked above") {
                 CopyOwner::Page { request, page } => self.end_page_copy(request, page, ok)?,
                 CopyOwner::Orphan { block, host, hash } => {
+                    self.host.unreserve(1);
                     if let (true, Some(hash)) = (ok, hash) {
                         if self.host.publish(host, hash).is_none() {
                             self.pool.publish(block, hash);
@@ -1022,7 +1032,7 @@ impl ResidencyManager {
     /// (on the host, and on the GPU until the block is reused).
     pub fn finish(&mut self, id: u64) -> Result<()> {
         self.drop_pages(id, 0)?;
-        let r = self.requests.remove(&id).expect("checked by drop_pages");
+        let r = self.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
         self.host.unreserve(r.max_len.div_ceil(self.cfg.block_size) as u64);
         Ok(())
     }
@@ -1079,6 +1089,7 @@ impl ResidencyManager {
             match p.state {
                 PageState::Dirty { block } => self.pool.unpin(block)?,
                 PageState::Copying { block, host, transfer } => {
+                    self.host.reserve_held(1);
                     self.copies.insert(transfer, CopyOwner::Orphan { block, host, hash: p.hash });
                 }
                 PageState::Clean { block, host } => {
