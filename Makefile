@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 build: $(STAMP)
-	maturin develop --release -q
+	maturin develop --release -q > /dev/null  # pip lists every satisfied requirement on stdout
 
 run: build
 	$(PY) -m hisparse demo
