@@ -155,3 +155,20 @@ def test_a_request_gone_before_the_next_plan_leaves_no_restore_behind():
     restores = [r for _ in range(3) for r in d.step([]).restores]
     assert len({gpu for gpu, _ in restores}) == len(restores) == 1
     assert d.verify_all(2) == 12
+
+
+def test_coldest_releases_the_pages_the_indexer_selects_least():
+    m = manager(num_gpu_blocks=40, top_k=16)  # hot region: 32 rows = 2 blocks; watermark 4
+    m.admit(1, 320)
+    m.plan_step([(1, 320)])
+    m.complete(m.plan_step([(1, 1)]).transfer_ids)  # 20 complete pages copied to the host
+    m.report_heat(1, list(range(10)), [5] * 10)  # the first ten pages are selected, the rest never
+    with pytest.raises(InvalidArgumentError):
+        m.report_heat(1, [99], [1])
+    m.admit(2, 256)
+    plan = m.plan_step([(2, 256)])  # 16 blocks of 18 free, watermark 4: four pages must go
+    assert plan.ok and plan.released_pages == 4
+    states = m.page_states(1)
+    assert [i for i, s in enumerate(states) if s == "released"] == [10, 11, 12, 13]
+    assert m.request_info(1)["hot_blocks"] == 2
+    m.check_invariants()

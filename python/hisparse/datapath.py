@@ -455,12 +455,25 @@ class DataPath:
             raise InvalidArgumentError(f"row {row}: some positions have no resident block to write")
         return blocks * bs + positions % bs
 
-    def take_heat(self, row: int, num_pages: int) -> list[int]:
-        """The heat of a row's pages since the last call, cleared."""
-        heat = self.state["heat"][row, :num_pages]
-        values = heat.tolist()
-        heat.zero_()
-        return values
+    def take_heat(self, rows: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """The selection heat of ``rows`` since the last call, as (pages, counts) of the pages that were
+        selected, and cleared. One gather and one transfer of only the non-zero entries, whatever the
+        context length."""
+        if not rows:
+            return {}
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        if bool(((index < 0) | (index >= self.layout.max_running)).any()):
+            raise InvalidArgumentError(f"rows {list(rows)} outside 0..{self.layout.max_running}")
+        heat = self.state["heat"].index_select(0, index)
+        self.state["heat"].index_fill_(0, index, 0)
+        hits = heat.nonzero()
+        counts = heat[hits[:, 0], hits[:, 1]].tolist()
+        taken: dict[int, tuple[list[int], list[int]]] = {row: ([], []) for row in rows}
+        for (i, page), count in zip(hits.tolist(), counts, strict=True):
+            pages, values = taken[rows[i]]
+            pages.append(page)
+            values.append(count)
+        return taken
 
     @property
     def counters(self) -> dict[str, int]:

@@ -47,7 +47,6 @@ copies and the same selections) go to ``apply_results``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,8 +120,9 @@ class StepResults:
     #: Host copies (transfer ids of ``plan.materialize``) that finished, and those that failed.
     completed: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
-    #: Selection heat per page since the last step, per request that was scheduled.
-    heat: dict[str, list[int]] = field(default_factory=dict)
+    #: Selection heat since the last step, per request that was scheduled: (pages, counts) of the pages
+    #: that were selected.
+    heat: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     #: Resolver counters of this step.
     hits: int = 0
     misses: int = 0
@@ -271,14 +271,15 @@ class SchedulerHooks:
             m.complete(list(results.failed), ok=False)
         if results.completed:
             m.complete(list(results.completed), ok=True)
-        for rid, heat in results.heat.items():
+        for rid, (pages, counts) in results.heat.items():
             core = self._ids.get(rid)
             if core is None or core not in m:
                 continue  # finished meanwhile
             info = m.request_info(core)
-            if info["row"] is None or not any(heat):
+            if info["row"] is None or not pages:
                 continue  # preempted meanwhile, or nothing selected
-            m.report_heat(core, list(heat[: info["num_pages"]]))
+            kept = [(p, c) for p, c in zip(pages, counts, strict=True) if p < info["num_pages"]]
+            m.report_heat(core, [p for p, _ in kept], [c for _, c in kept])
         self._metrics["hits"] += results.hits
         self._metrics["misses"] += results.misses
         self._metrics["h2d_bytes"] += results.h2d_bytes
@@ -501,8 +502,8 @@ class WorkerHooks:
         self.mirror_written()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        bs = self.layout.block_size
-        heat = {r.request_id: self.dp.take_heat(r.row, math.ceil(r.seq_len / bs)) for r in step.requests}
+        taken = self.dp.take_heat([r.row for r in step.requests])
+        heat = {r.request_id: taken[r.row] for r in step.requests}
         now = self._read_counters()
         hits, misses, h2d = (a - b for a, b in zip(now, self._counters, strict=True))
         self._counters = now

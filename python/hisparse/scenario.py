@@ -142,9 +142,9 @@ class Driver:
         for group in range(self.layout.num_groups):
             row_ids = self.dp.resolve(topk, row_state, group)
             self.check(request_ids, topk, row_ids, group)
+        heat = self.dp.take_heat(rows)
         for r, row in zip(request_ids, rows, strict=True):
-            info = self.m.request_info(r)
-            self.m.report_heat(r, self.dp.take_heat(row, info["num_pages"]))
+            self.m.report_heat(r, *heat[row])
         return topk
 
     def check(self, request_ids: list[int], topk: torch.Tensor, row_ids: torch.Tensor, group: int) -> None:

@@ -1003,20 +1003,24 @@ impl ResidencyManager {
         Ok(())
     }
 
-    /// Adds selection heat per page (`heat[i]` for page `i`), as the resolver counted it. A released page
-    /// that was selected is kept longer before its block is reused.
-    pub fn report_heat(&mut self, id: u64, heat: &[u32]) -> Result<()> {
+    /// Adds selection heat, `heat[i]` to page `pages[i]`, as the resolver counted it: only the pages that
+    /// were selected, so the cost follows the selection, not the context. A released page that was
+    /// selected is kept longer before its block is reused.
+    pub fn report_heat(&mut self, id: u64, pages: &[u32], heat: &[u32]) -> Result<()> {
         let r = self.req(id)?;
-        if heat.len() > r.pages.len() {
-            return invalid(format!("{} heat values for a request of {} pages", heat.len(), r.pages.len()));
+        if pages.len() != heat.len() {
+            return invalid(format!("{} pages but {} heat values", pages.len(), heat.len()));
+        }
+        if let Some(&bad) = pages.iter().find(|&&p| p as usize >= r.pages.len()) {
+            return invalid(format!("page {bad} of a request of {} pages", r.pages.len()));
         }
         let r = self.requests.get_mut(&id).expect("checked");
-        for (i, &h) in heat.iter().enumerate().filter(|(_, &h)| h > 0) {
-            let p = &mut r.pages[i];
-            let key = (p.heat, i as u32);
+        for (&page, &h) in pages.iter().zip(heat).filter(|(_, &h)| h > 0) {
+            let p = &mut r.pages[page as usize];
+            let key = (p.heat, page);
             p.heat = p.heat.saturating_add(h);
             if r.releasable.remove(&key) {
-                r.releasable.insert((p.heat, i as u32));
+                r.releasable.insert((p.heat, page));
             }
             if let PageState::Released { block, .. } = p.state {
                 self.pool.touch(block);

@@ -190,8 +190,9 @@ fn run(cfg: Config, ops: Vec<Op>) {
             Op::Heat(i, seed) if !ids.is_empty() => {
                 let id = ids[i % ids.len()];
                 let n = m.request_info(id).unwrap().num_pages as usize;
-                let heat: Vec<u32> = (0..n).map(|p| (seed >> (p % 32)) & 3).collect();
-                m.report_heat(id, &heat).unwrap();
+                let pages: Vec<u32> = (0..n as u32).filter(|p| (seed >> (p % 32)) & 1 == 1).collect();
+                let heat: Vec<u32> = pages.iter().map(|p| 1 + (seed >> ((p + 7) % 32)) % 3).collect();
+                m.report_heat(id, &pages, &heat).unwrap();
             }
             _ => {}
         }
@@ -333,7 +334,8 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert!(matches!(m.plan_step(&[(1, 1), (1, 1)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.plan_step(&[(1, 1000)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.complete(&[77], true), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(m.report_heat(1, &[1, 2, 3]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.report_heat(1, &[0], &[3]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(m.report_heat(1, &[], &[3]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.finish(5), Err(CoreError::UnknownRequest(5))));
     m.check_invariants().unwrap();
 }

@@ -290,9 +290,16 @@ impl ResidencyManager {
         py.detach(|| self.inner.add_page_hashes(request_id, &hashes)).py()
     }
 
-    fn report_heat(&mut self, py: Python<'_>, request_id: i64, heat: Vec<u32>) -> PyResult<()> {
+    /// `heat[i]` selections of page `pages[i]` since the last report (only pages that were selected).
+    fn report_heat(
+        &mut self,
+        py: Python<'_>,
+        request_id: i64,
+        pages: Vec<u32>,
+        heat: Vec<u32>,
+    ) -> PyResult<()> {
         let request_id = request(request_id)?;
-        py.detach(|| self.inner.report_heat(request_id, &heat)).py()
+        py.detach(|| self.inner.report_heat(request_id, &pages, &heat)).py()
     }
 
     fn finish(&mut self, py: Python<'_>, request_id: i64) -> PyResult<()> {
