@@ -1052,26 +1052,29 @@ impl ResidencyManager {
         self.drop_pages(id, kept)?;
         for page in 0..kept {
             let state = self.req(id)?.pages[page as usize].state;
+            self.let_go_of_block(id, page, state)?;
             let state = match state {
-                PageState::Clean { block, .. } => {
-                    self.pool.unpin(block)?;
-                    state.release()?.lose_block()?
-                }
-                PageState::Released { block, .. } => {
-                    self.pool.remove_reader(block, Reader { request: id, page })?;
-                    state.lose_block()?
-                }
+                PageState::Clean { .. } => state.release()?.lose_block()?,
+                PageState::Released { .. } => state.lose_block()?,
                 _ => state,
             };
             self.set_page(id, page, state)?;
         }
         let bs = self.cfg.block_size;
         let r = self.req_mut(id)?;
-        r.releasable.clear();
         r.seq_len = kept * bs;
         r.complete_pages = kept;
-        self.pending.pages.retain(|&(rid, _)| rid != id);
         Ok(kept * bs)
+    }
+
+    /// Gives up the GPU block a clean or released page holds: the pin of a clean page, the reader entry of
+    /// a released one. The page's state is the caller's to change.
+    fn let_go_of_block(&mut self, id: u64, page: u32, state: PageState) -> Result<()> {
+        match state {
+            PageState::Clean { block, .. } => self.pool.unpin(block),
+            PageState::Released { block, .. } => self.pool.remove_reader(block, Reader { request: id, page }),
+            _ => Ok(()),
+        }
     }
 
     /// Drops pages `from..` and the request's row, hot region and GPU reservation.
@@ -1096,12 +1099,8 @@ impl ResidencyManager {
                     self.host.reserve_held(1);
                     self.copies.insert(transfer, CopyOwner::Orphan { block, host, hash: p.hash });
                 }
-                PageState::Clean { block, host } => {
-                    self.pool.unpin(block)?;
-                    self.host.decref(host)?;
-                }
-                PageState::Released { block, host } => {
-                    self.pool.remove_reader(block, Reader { request: id, page })?;
+                PageState::Clean { host, .. } | PageState::Released { host, .. } => {
+                    self.let_go_of_block(id, page, p.state)?;
                     self.host.decref(host)?;
                 }
                 PageState::HostOnly { host } => self.host.decref(host)?,
