@@ -73,8 +73,10 @@ def test_select_arch():
     assert compiler.select_arch((9, 9), 13000) == "sm_90"  # same major: the sm_90 cubin runs there
     newest = max(compiler.supported_archs())
     assert compiler.select_arch((99, 0), new_driver) == f"compute_{newest}"
+    nv_major, nv_minor = compiler.nvrtc_version()
+    older_driver = nv_major * 1000 + nv_minor * 10 - 10  # one minor release behind this NVRTC
     with pytest.raises(compiler.CompileError, match="driver"):
-        compiler.select_arch((99, 0), 13000)
+        compiler.select_arch((99, 0), older_driver)
     with pytest.raises(compiler.CompileError):
         compiler.select_arch((3, 0), new_driver)
 
