@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.5,<2" "torch>=2.4" "cuda-python>=12.8" "nvidia-cuda-nvrtc" \
+	$(PY) -m pip install -q "maturin>=1.5,<2" "torch==2.14.0" "cuda-python>=12.8" "nvidia-cuda-nvrtc" \
 		"pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "matplotlib>=3.7"
 	touch $@
 
