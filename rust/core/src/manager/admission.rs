@@ -54,7 +54,7 @@ impl ResidencyManager {
         let pages: Vec<Page> = hits
             .iter()
             .zip(prefix_hashes)
-            .map(|(&host, &hash)| Page { state: PageState::HostOnly { host }, hash: Some(hash), heat: 0 })
+            .map(|(&host, &hash)| Page { state: PageState::HostOnly { host }, hash: Some(hash) })
             .collect();
         let order = self.next_order;
         let request = Request {
@@ -68,6 +68,7 @@ impl ResidencyManager {
             hashes: prefix_hashes.to_vec(),
             hot: None,
             releasable: BTreeSet::new(),
+            cold: ColdPages::default(),
             released: 0,
         };
         self.requests.insert(id, request);

@@ -6,14 +6,55 @@ impl ResidencyManager {
     /// Ends copies to the host. `ok = false` returns the pages to dirty; they are copied again later.
     /// Unknown or repeated ids are refused before anything changes.
     pub fn complete(&mut self, transfers: &[TransferId], ok: bool) -> Result<()> {
+        self.check_in_flight(transfers)?;
+        self.end_copies(transfers, ok)
+    }
+
+    /// Everything a worker reports after a step, as one atomic call: the copies that ended (`completed`)
+    /// and failed (`failed`), and a heat summary (empty when none was taken). Everything is checked before
+    /// anything changes, so a refused report changed nothing and can be sent again, corrected. Heat of a
+    /// request that finished or was preempted meanwhile, or of pages it no longer has, is stale, not wrong:
+    /// it is skipped.
+    pub fn apply_results(
+        &mut self,
+        completed: &[TransferId],
+        failed: &[TransferId],
+        heat: &HeatSummary,
+    ) -> Result<()> {
+        let all: Vec<TransferId> = completed.iter().chain(failed).copied().collect();
+        self.check_in_flight(&all)?;
+        heat.validate()?;
+        self.end_copies(failed, false)?;
+        self.end_copies(completed, true)?;
+        for (i, &id) in heat.requests.iter().enumerate() {
+            let Some(r) = self.requests.get_mut(&id).filter(|r| r.row().is_some()) else { continue };
+            let pages = r.pages.len() as u32;
+            let ranked: Vec<(u32, u32)> = heat.entries(i).filter(|&(_, page)| page < pages).collect();
+            let mut sorted: Vec<u32> = ranked.iter().map(|&(_, page)| page).collect();
+            sorted.sort_unstable();
+            r.cold = ColdPages { ranked, sorted };
+        }
+        Ok(())
+    }
+
+    fn check_in_flight(&self, transfers: &[TransferId]) -> Result<()> {
         let mut seen = HashSet::with_capacity(transfers.len());
         for t in transfers {
             if !self.copies.contains_key(t) || !seen.insert(*t) {
-                return invalid(format!("transfer {t} is not in flight (unknown, or completed already)"));
+                return invalid(format!(
+                    "transfer {t} is not in flight (unknown, reported twice, or completed already)"
+                ));
             }
         }
+        Ok(())
+    }
+
+    fn end_copies(&mut self, transfers: &[TransferId], ok: bool) -> Result<()> {
         for t in transfers {
-            match self.copies.remove(t).expect("checked above") {
+            let Some(owner) = self.copies.remove(t) else {
+                return invariant(format!("transfer {t} ended twice after it was checked"));
+            };
+            match owner {
                 CopyOwner::Page { request, page } => self.end_page_copy(request, page, ok)?,
                 CopyOwner::Orphan { block, host, hash } => {
                     self.host.unreserve(1);
@@ -81,32 +122,6 @@ impl ResidencyManager {
                 if self.host.publish(host, hash).is_none() && block != 0 {
                     self.pool.publish(block, hash);
                 }
-            }
-        }
-        Ok(())
-    }
-
-    /// Adds selection heat, `heat[i]` to page `pages[i]`, as the resolver counted it: only the pages that
-    /// were selected, so the cost follows the selection, not the context. A released page that was
-    /// selected is kept longer before its block is reused.
-    pub fn report_heat(&mut self, id: u64, pages: &[u32], heat: &[u32]) -> Result<()> {
-        let r = self.req(id)?;
-        if pages.len() != heat.len() {
-            return invalid(format!("{} pages but {} heat values", pages.len(), heat.len()));
-        }
-        if let Some(&bad) = pages.iter().find(|&&p| p as usize >= r.pages.len()) {
-            return invalid(format!("page {bad} of a request of {} pages", r.pages.len()));
-        }
-        let r = self.requests.get_mut(&id).expect("checked");
-        for (&page, &h) in pages.iter().zip(heat).filter(|(_, &h)| h > 0) {
-            let p = &mut r.pages[page as usize];
-            let key = (p.heat, page);
-            p.heat = p.heat.saturating_add(h);
-            if r.releasable.remove(&key) {
-                r.releasable.insert((p.heat, page));
-            }
-            if let PageState::Released { block, .. } = p.state {
-                self.pool.touch(block);
             }
         }
         Ok(())

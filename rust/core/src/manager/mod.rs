@@ -5,7 +5,7 @@
 //! tokens each adds. The manager allocates their pages, keeps a watermark of free blocks by releasing
 //! clean pages (leasing a hot region to a request the first time it releases any), plans proactive copies
 //! of complete pages to the host, and returns a [`StepPlan`]. The worker reports copies back through
-//! [`ResidencyManager::complete`] and selection heat through [`ResidencyManager::report_heat`].
+//! [`ResidencyManager::apply_results`], with a [`crate::HeatSummary`] every few steps (see `heat.rs`).
 //!
 //! Cost per call grows with what changes in the step, never with context length: pages that can be
 //! released are kept in per-request ordered sets, copies to plan in a queue, table updates in a list.
@@ -16,15 +16,15 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use crate::block_pool::{BlockId, BlockPool, Reader};
 use crate::config::{Config, PressurePolicy};
 use crate::error::{invalid, invariant, CoreError, Resource, Result};
+use crate::heat::HeatSummary;
 use crate::host_pool::{HostBlockId, HostPool};
 use crate::page::{PageState, Residency, TransferId};
-use crate::plan::{HotUpdate, PageCopy, Restore, StepPlan, TableUpdate, Transition};
+use crate::plan::{HotUpdate, PageCopy, Restore, Scheduled, StepPlan, TableUpdate, Transition};
 
 #[derive(Clone, Debug)]
 struct Page {
     state: PageState,
     hash: Option<u64>,
-    heat: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,11 +48,31 @@ struct Request {
     max_len: u32,
     hashes: Vec<u64>,
     hot: Option<Vec<BlockId>>,
-    /// Clean pages outside the tail, by (heat, page): what the pressure policy may release.
-    releasable: BTreeSet<(u32, u32)>,
+    /// Clean pages outside the tail: what the pressure policy may release.
+    releasable: BTreeSet<u32>,
+    /// The latest heat summary's ranking of its releasable pages.
+    cold: ColdPages,
     host_only: u32,
     released: u32,
 }
+
+/// What the last heat summary said of a request: its coldest releasable pages, coldest first, and the
+/// same pages sorted, to tell listed pages from the others.
+#[derive(Clone, Debug, Default)]
+struct ColdPages {
+    ranked: Vec<(u32, u32)>,
+    sorted: Vec<u32>,
+}
+
+impl ColdPages {
+    fn contains(&self, page: u32) -> bool {
+        self.sorted.binary_search(&page).is_ok()
+    }
+}
+
+/// Heat given to releasable pages no summary ranked (released after it, or beyond its candidates): they
+/// go after every ranked page, oldest first.
+const UNRANKED: u32 = u32::MAX;
 
 impl Request {
     fn row(&self) -> Option<u32> {
@@ -64,6 +84,19 @@ impl Request {
 
     fn in_tail(&self, page: u32, tail_pages: u32) -> bool {
         page as usize + tail_pages as usize >= self.pages.len()
+    }
+
+    fn is_releasable(&self, page: u32, tail_pages: u32) -> bool {
+        matches!(self.pages[page as usize].state, PageState::Clean { .. }) && !self.in_tail(page, tail_pages)
+    }
+
+    /// Its releasable pages in the order `coldest` lets them go: those the last heat summary ranked, coldest
+    /// first, then the others, oldest first.
+    fn pressure_order(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        let ranked = self.cold.ranked.iter().copied().filter(|(_, page)| self.releasable.contains(page));
+        let rest =
+            self.releasable.iter().filter(|&&page| !self.cold.contains(page)).map(|&page| (UNRANKED, page));
+        ranked.chain(rest)
     }
 
     fn residency(&self, tail_pages: u32) -> Residency {

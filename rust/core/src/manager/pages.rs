@@ -1,5 +1,5 @@
 //! The single place where a page changes state: counters, the releasable set and the table-update list
-//! follow from here; also taking blocks from the pool and leasing hot regions.
+//! (entries and releasable flags) follow from here; also taking blocks from the pool and leasing hot regions.
 
 use super::*;
 
@@ -7,17 +7,11 @@ impl ResidencyManager {
     pub(super) fn set_page(&mut self, id: u64, page: u32, next: PageState) -> Result<()> {
         let tail = self.cfg.tail_pages;
         let r = self.req_mut(id)?;
-        let p = &mut r.pages[page as usize];
-        let prev = p.state;
-        let table_changed = prev.table_entry() != next.table_entry();
-        p.state = next;
-        let heat = p.heat;
-        if matches!(prev, PageState::Clean { .. }) {
-            r.releasable.remove(&(heat, page));
-        }
-        if matches!(next, PageState::Clean { .. }) && !r.in_tail(page, tail) {
-            r.releasable.insert((heat, page));
-        }
+        let prev = r.pages[page as usize].state;
+        r.pages[page as usize].state = next;
+        let releasable = r.is_releasable(page, tail);
+        let flag_changed = if releasable { r.releasable.insert(page) } else { r.releasable.remove(&page) };
+        let table_changed = flag_changed || prev.table_entry() != next.table_entry();
         r.host_only = r.host_only + next.is_host_only() as u32 - prev.is_host_only() as u32;
         let was_released = matches!(prev, PageState::Released { .. }) as u32;
         r.released = r.released + matches!(next, PageState::Released { .. }) as u32 - was_released;

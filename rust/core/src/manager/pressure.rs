@@ -35,7 +35,7 @@ impl DryRun {
 }
 
 /// A request's releasable pages in pressure order, from some point on.
-type Cursor<'a> = (u64, std::iter::Skip<std::collections::btree_set::Iter<'a, (u32, u32)>>);
+type Cursor<'a> = (u64, Box<dyn Iterator<Item = (u32, u32)> + 'a>);
 type ColdHeap = BinaryHeap<Reverse<(u32, u32, u64, usize)>>;
 
 fn add_cursor<'a>(
@@ -46,11 +46,11 @@ fn add_cursor<'a>(
     heap: &mut ColdHeap,
 ) {
     let r = &requests[&id];
-    let mut it = r.releasable.iter().skip(skip);
-    if let Some(&(heat, page)) = it.next() {
+    let mut it = r.pressure_order().skip(skip);
+    if let Some((heat, page)) = it.next() {
         heap.push(Reverse((heat, page, r.order, cursors.len())));
     }
-    cursors.push((id, it));
+    cursors.push((id, Box::new(it)));
 }
 
 impl ResidencyManager {
@@ -84,7 +84,7 @@ impl ResidencyManager {
         while run.free < target {
             if let Some(Reverse((_, page, order, i))) = heap.pop() {
                 run.release(self, cursors[i].0, page);
-                if let Some(&(heat, next)) = cursors[i].1.next() {
+                if let Some((heat, next)) = cursors[i].1.next() {
                     heap.push(Reverse((heat, next, order, i)));
                 }
                 continue;
@@ -95,7 +95,7 @@ impl ResidencyManager {
             tried.insert(id);
             let own: Vec<u32> = match self.cfg.policy {
                 PressurePolicy::Fifo => self.newest_first(id),
-                _ => self.requests[&id].releasable.iter().map(|&(_, p)| p).collect(),
+                _ => self.requests[&id].pressure_order().map(|(_, page)| page).collect(),
             };
             // Pages shared with other requests free nothing when this one lets go: count what it really frees.
             let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count() as i64;

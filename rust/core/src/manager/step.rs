@@ -31,13 +31,17 @@ impl ResidencyManager {
             return Ok(StepPlan { missing_blocks: missing, ..StepPlan::default() });
         }
         self.note_written();
-        for &(id, tokens) in scheduled {
-            self.grow(id, tokens)?;
+        let mut rows = Vec::with_capacity(scheduled.len());
+        for &(request, tokens) in scheduled {
+            let r = self.req(request)?;
+            let row = r.row().expect("checked running above");
+            rows.push(Scheduled { request, row, start: r.seq_len, tokens });
+            self.grow(request, tokens)?;
         }
         self.last_scheduled = prefer;
         self.relieve()?;
         let materialize = self.plan_materialize()?;
-        Ok(StepPlan { materialize, ..self.drain_pending() })
+        Ok(StepPlan { materialize, scheduled: rows, ..self.drain_pending() })
     }
 
     /// Tokens of the previous plan are written now: queue the pages they completed for a host copy.
@@ -69,9 +73,7 @@ impl ResidencyManager {
 
     /// A request's releasable pages, newest first: the order in which vLLM lets them go.
     pub(super) fn newest_first(&self, id: u64) -> Vec<u32> {
-        let mut pages: Vec<u32> = self.requests[&id].releasable.iter().map(|&(_, p)| p).collect();
-        pages.sort_unstable_by(|a, b| b.cmp(a));
-        pages
+        self.requests[&id].releasable.iter().rev().copied().collect()
     }
 
     pub(super) fn grow(&mut self, id: u64, tokens: u32) -> Result<()> {
@@ -86,16 +88,15 @@ impl ResidencyManager {
             let block = self.take_block()?;
             let r = self.req_mut(id)?;
             let hash = r.hashes.get(page).copied();
-            r.pages.push(Page { state: PageState::Dirty { block }, hash, heat: 0 });
+            r.pages.push(Page { state: PageState::Dirty { block }, hash });
             self.pending.pages.push((id, page as u32));
         }
-        // Pages that just left the tail may now be released.
-        let r = self.req_mut(id)?;
+        // Pages that just left the tail may now be released (and the worker's flag says so).
+        let r = self.requests.get_mut(&id).expect("checked above");
         r.seq_len = new_len;
-        for page in old_pages.saturating_sub(tail)..new_pages.saturating_sub(tail) {
-            let p = &r.pages[page];
-            if matches!(p.state, PageState::Clean { .. }) {
-                r.releasable.insert((p.heat, page as u32));
+        for page in old_pages.saturating_sub(tail) as u32..new_pages.saturating_sub(tail) as u32 {
+            if r.is_releasable(page, tail as u32) && r.releasable.insert(page) {
+                self.pending.pages.push((id, page));
             }
         }
         self.pending.seq_lens.push(id);
@@ -248,6 +249,7 @@ impl ResidencyManager {
                 page,
                 gpu_block: e.gpu_block,
                 host_block: e.host_block,
+                releasable: r.releasable.contains(&page),
             });
         }
         let mut seq_lens = p.seq_lens;
