@@ -369,6 +369,7 @@ class DataPath:
             "releasable": torch.zeros(s, p, dtype=torch.uint8, device=dev),
             "row_request": torch.full((s,), -1, dtype=torch.int64, device=dev),
         }
+        self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
 
@@ -399,12 +400,29 @@ class DataPath:
                 [_rows_view(h, name, rb) for name, h in host.items()])
 
     def _apply_reference(self, plan: _core.StepPlan) -> None:
+        _core._ref_apply(plan, self._worker_geometry(), *self._apply_bufs())
+
+    def _apply_bufs(self) -> tuple[list, list, list]:
+        """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced: ``apply`` runs
+        every step, and checking a dozen tensors costs far more than applying a decode step's plan. (Tensors
+        must not be resized in place while a DataPath uses them; replacing them is noticed here.)"""
+        tensors = (*(self.state[name] for name in APPLY_FIELDS), *self._layer_parents())
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        cached = self._checked_apply
+        if cached is not None and cached[0] == ptrs and all(a is b for a, b in zip(cached[1], tensors, strict=True)):
+            return cached[2]
         state = {name: self.state[name] for name in APPLY_FIELDS}
         bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in state.items()]
         gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
         # Rust takes every state tensor and both sides of every layer as mutable slices.
         _check_disjoint({**state, **gpu, **host}, {})
-        _core._ref_apply(plan, self._worker_geometry(), bufs, gpu_bufs, host_bufs)
+        self._checked_apply = (ptrs, tensors, (bufs, gpu_bufs, host_bufs))
+        return bufs, gpu_bufs, host_bufs
+
+    def _layer_parents(self) -> list[torch.Tensor]:
+        """The tensors that hold the layers: the slab (one tensor, or one per layer) and the host pool."""
+        gpu = [self.gpu] if isinstance(self.gpu, torch.Tensor) else list(self.gpu)
+        return [*gpu, self.host]
 
     def _apply_torch(self, plan: _core.StepPlan) -> None:
         """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""

@@ -153,12 +153,6 @@ def _check_request_id(request_id: Any) -> str:
     return request_id
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be a non-negative integer, not {value!r}")
-    return value
-
-
 class SchedulerHooks:
     """The scheduler half: admission, step plans, the worker's feedback, leaving, capacity and metrics.
 
@@ -269,26 +263,23 @@ class SchedulerHooks:
                 f"the worker must apply() that step, run its forward and end_step(), then pass the StepResults "
                 f"to apply_results()"
             )
-        ids = self._ids
-        names: list[str] = []
-        core: list[tuple[int, int]] = []
+        # Whole-list operations (zip, map): this runs every step for every request, so no Python loop.
+        pairs = scheduled if isinstance(scheduled, list) else list(scheduled)
         try:
-            for rid, n in scheduled:
-                cid = ids.get(rid) if type(rid) is str else None
-                if cid is None:
-                    self.core_id(rid)  # raises the precise error
-                names.append(rid)
-                core.append((cid, n))
+            names, counts = zip(*pairs, strict=True) if pairs else ((), ())
+            core = list(map(self._ids.get, names))
         except (TypeError, ValueError):
             raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
-        plan = self.manager.plan_step(core)
+        if None in core:
+            self.core_id(names[core.index(None)])  # raises the precise error (not a string, or not admitted)
+        plan = self.manager.plan_step(list(zip(core, counts, strict=True)))
         self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
             self._metrics["short_plans"] += 1
             return WorkerStep(0, plan)
         self._steps += 1
         self._outstanding = self._steps
-        return WorkerStep(self._steps, plan, tuple(names))
+        return WorkerStep(self._steps, plan, names)
 
     def apply_results(self, results: StepResults) -> None:
         """Takes the worker's feedback of the outstanding step in one atomic core call: finished and failed
@@ -301,10 +292,15 @@ class SchedulerHooks:
             raise CallOrderError(
                 f"apply_results() got the results of step {results.step}; step {self._outstanding} is waiting"
             )
-        counters = {name: _count(getattr(results, name), name) for name in ("hits", "misses", "h2d_bytes")}
+        hits, misses, h2d = results.hits, results.misses, results.h2d_bytes
+        if not (type(hits) is int and type(misses) is int and type(h2d) is int and min(hits, misses, h2d) >= 0):
+            raise InvalidArgumentError(f"hits, misses and h2d_bytes must be non-negative integers, not {hits!r}, "
+                                       f"{misses!r}, {h2d!r}")
         self.manager.apply_results(results.completed, results.failed, results.heat)
-        for name, value in counters.items():
-            self._metrics[name] += value
+        m = self._metrics
+        m["hits"] += hits
+        m["misses"] += misses
+        m["h2d_bytes"] += h2d
         self._outstanding = None
 
     # ------------------------------------------------------------------ capacity and metrics

@@ -14,6 +14,7 @@ pub mod config;
 pub mod error;
 pub mod heat;
 pub mod host_pool;
+mod ids;
 mod index_list;
 pub mod manager;
 pub mod page;

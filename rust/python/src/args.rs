@@ -5,7 +5,7 @@
 
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyString, PyTuple};
 
 use crate::errors::invalid;
 
@@ -49,27 +49,32 @@ fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
-/// The integer value of `v`, as an i128 so that both the i64 and the u64 range are representable.
-fn integer(v: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
+/// The integer value of `v`, as an i128 so that both the i64 and the u64 range are representable. `name`
+/// is only called to word an error (elements of long sequences are named lazily).
+fn integer(v: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<i128> {
     if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyFloat>() {
-        return Err(invalid(format!("{name} must be an integer, not {} ({v})", type_name(v))));
+        return Err(invalid(format!("{} must be an integer, not {} ({v})", name(), type_name(v))));
     }
     match v.extract::<i64>() {
         Ok(i) => Ok(i as i128),
         Err(e) if e.is_instance_of::<PyOverflowError>(v.py()) => match v.extract::<u64>() {
             Ok(u) => Ok(u as i128),
-            Err(_) => Err(invalid(format!("{name} = {v} is outside every range hisparse takes"))),
+            Err(_) => Err(invalid(format!("{} = {v} is outside every range hisparse takes", name()))),
         },
         Err(e) if e.is_instance_of::<PyTypeError>(v.py()) => {
-            Err(invalid(format!("{name} must be an integer, not {}", type_name(v))))
+            Err(invalid(format!("{} must be an integer, not {}", name(), type_name(v))))
         }
         Err(e) => Err(e),
     }
 }
 
-pub fn int<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+fn convert<T: Int>(v: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<T> {
     let i = integer(v, name)?;
-    T::from_i128(i).ok_or_else(|| invalid(format!("{name} = {i} is outside {}", T::RANGE)))
+    T::from_i128(i).ok_or_else(|| invalid(format!("{} = {i} is outside {}", name(), T::RANGE)))
+}
+
+pub fn int<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    convert(v, &|| name.to_string())
 }
 
 pub fn opt_int<T: Int>(v: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<T>> {
@@ -109,7 +114,7 @@ fn sequence<'py>(v: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, pyo3:
 pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
     let mut out = Vec::with_capacity(v.len().unwrap_or(0));
     for (i, item) in sequence(v, name)?.enumerate() {
-        out.push(int(&item?, &format!("{name}[{i}]"))?);
+        out.push(convert(&item?, &|| format!("{name}[{i}]"))?);
     }
     Ok(out)
 }
@@ -119,12 +124,23 @@ pub fn pairs<A: Int, B: Int>(v: &Bound<'_, PyAny>, name: &str, what: (&str, &str
     let mut out = Vec::with_capacity(v.len().unwrap_or(0));
     for (i, item) in sequence(v, name)?.enumerate() {
         let item = item?;
-        let pair: Vec<Bound<'_, PyAny>> =
-            sequence(&item, &format!("{name}[{i}]"))?.collect::<PyResult<_>>()?;
-        let [a, b] = pair.as_slice() else {
-            return Err(invalid(format!("{name}[{i}] must be a pair ({}, {}), not {item}", what.0, what.1)));
+        let not_a_pair =
+            || invalid(format!("{name}[{i}] must be a pair ({}, {}), not {item}", what.0, what.1));
+        // Tuples, what engines pass, are read in place; any other pair-like sequence is iterated.
+        let (a, b) = match item.cast::<PyTuple>() {
+            Ok(t) if t.len() == 2 => (t.get_item(0)?, t.get_item(1)?),
+            Ok(_) => return Err(not_a_pair()),
+            Err(_) => {
+                let pair: Vec<Bound<'_, PyAny>> =
+                    sequence(&item, &format!("{name}[{i}]"))?.collect::<PyResult<_>>()?;
+                let [a, b] = <[_; 2]>::try_from(pair).map_err(|_| not_a_pair())?;
+                (a, b)
+            }
         };
-        out.push((int(a, &format!("{name}[{i}] {}", what.0))?, int(b, &format!("{name}[{i}] {}", what.1))?));
+        out.push((
+            convert(&a, &|| format!("{name}[{i}] {}", what.0))?,
+            convert(&b, &|| format!("{name}[{i}] {}", what.1))?,
+        ));
     }
     Ok(out)
 }

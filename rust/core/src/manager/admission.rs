@@ -136,7 +136,7 @@ impl ResidencyManager {
             .enumerate()
             .filter_map(|(i, p)| Some((i as u32, self.pool.lookup(p.hash?)?)))
             .collect();
-        let adopted: HashSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
+        let adopted: IdSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
         // Without tiers everything comes back whole; with them the tail, and the rest reads through hot rows.
         let restore_from = if self.cfg.policy.tiers() { tail_start } else { 0 };
         let restores = (restore_from..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;

@@ -38,7 +38,7 @@ impl ResidencyManager {
     }
 
     fn check_in_flight(&self, transfers: &[TransferId]) -> Result<()> {
-        let mut seen = HashSet::with_capacity(transfers.len());
+        let mut seen = IdSet::with_capacity_and_hasher(transfers.len(), Default::default());
         for t in transfers {
             if !self.copies.contains_key(t) || !seen.insert(*t) {
                 return invalid(format!(

@@ -11,13 +11,14 @@
 //! released are kept in per-request ordered sets, copies to plan in a queue, table updates in a list.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 
 use crate::block_pool::{BlockId, BlockPool, Reader};
 use crate::config::{Config, PressurePolicy};
 use crate::error::{invalid, invariant, CoreError, Resource, Result};
 use crate::heat::HeatSummary;
 use crate::host_pool::{HostBlockId, HostPool};
+use crate::ids::{IdMap, IdSet};
 use crate::page::{PageState, Residency, TransferId};
 use crate::plan::{HotUpdate, PageCopy, Restore, Scheduled, StepPlan, TableUpdate, Transition};
 
@@ -199,11 +200,11 @@ pub struct ResidencyManager {
     cfg: Config,
     pool: BlockPool,
     host: HostPool,
-    requests: HashMap<u64, Request>,
+    requests: IdMap<u64, Request>,
     free_rows: Vec<u32>,
     next_order: u64,
     next_transfer: TransferId,
-    copies: HashMap<TransferId, CopyOwner>,
+    copies: IdMap<TransferId, CopyOwner>,
     to_materialize: VecDeque<(u64, u32)>,
     /// Requests whose tokens of the last plan are written once the next plan starts.
     last_scheduled: Vec<u64>,
@@ -219,11 +220,11 @@ impl ResidencyManager {
         Ok(ResidencyManager {
             pool: BlockPool::new(cfg.num_gpu_blocks),
             host: HostPool::new(cfg.num_host_blocks),
-            requests: HashMap::new(),
+            requests: IdMap::default(),
             free_rows: (0..cfg.max_running).rev().collect(),
             next_order: 0,
             next_transfer: 1,
-            copies: HashMap::new(),
+            copies: IdMap::default(),
             to_materialize: VecDeque::new(),
             last_scheduled: Vec::new(),
             gpu_reserved: 0,

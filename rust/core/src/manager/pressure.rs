@@ -8,7 +8,7 @@ use super::*;
 #[derive(Clone)]
 struct DryRun {
     free: i64,
-    pins: HashMap<BlockId, u32>,
+    pins: IdMap<BlockId, u32>,
     actions: Vec<Action>,
 }
 
@@ -39,7 +39,7 @@ type Cursor<'a> = (u64, Box<dyn Iterator<Item = (u32, u32)> + 'a>);
 type ColdHeap = BinaryHeap<Reverse<(u32, u32, u64, usize)>>;
 
 fn add_cursor<'a>(
-    requests: &'a HashMap<u64, Request>,
+    requests: &'a IdMap<u64, Request>,
     id: u64,
     skip: usize,
     cursors: &mut Vec<Cursor<'a>>,
@@ -64,7 +64,8 @@ impl ResidencyManager {
     ) -> (Vec<Action>, i64) {
         let hot_cost = self.hot_cost() as i64;
         let target = needed as i64 + self.cfg.watermark as i64;
-        let mut run = DryRun { free: self.pool.num_free() as i64, pins: HashMap::new(), actions: Vec::new() };
+        let mut run =
+            DryRun { free: self.pool.num_free() as i64, pins: IdMap::default(), actions: Vec::new() };
         for &(id, page) in base {
             run.release(self, id, page);
         }
@@ -80,7 +81,7 @@ impl ResidencyManager {
                 add_cursor(&self.requests, id, 0, &mut cursors, &mut heap);
             }
         }
-        let mut tried: HashSet<u64> = HashSet::new();
+        let mut tried: IdSet<u64> = IdSet::default();
         while run.free < target {
             if let Some(Reverse((_, page, order, i))) = heap.pop() {
                 run.release(self, cursors[i].0, page);
@@ -128,7 +129,7 @@ impl ResidencyManager {
 
     /// The request whose transition to mixed residency frees the most blocks net of its hot region;
     /// the scheduler's `prefer` order first under `fifo` (vLLM transitions the request that asks).
-    pub(super) fn pick_transition(&self, done: &HashSet<u64>, prefer: &[u64]) -> Option<u64> {
+    pub(super) fn pick_transition(&self, done: &IdSet<u64>, prefer: &[u64]) -> Option<u64> {
         if !self.cfg.policy.tiers() {
             return None;
         }

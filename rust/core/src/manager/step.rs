@@ -6,7 +6,7 @@ impl ResidencyManager {
     /// Plans one step: `scheduled` lists (request, tokens it adds this step).
     pub fn plan_step(&mut self, scheduled: &[(u64, u32)]) -> Result<StepPlan> {
         let bs = self.cfg.block_size;
-        let mut seen = HashSet::with_capacity(scheduled.len());
+        let mut seen = IdSet::with_capacity_and_hasher(scheduled.len(), Default::default());
         let mut needed = 0u32;
         for &(id, tokens) in scheduled {
             let r = self.req(id)?;
