@@ -175,3 +175,60 @@ def test_coldest_releases_the_pages_the_indexer_selects_least():
     assert [i for i, s in enumerate(states) if s == "released"] == [10, 11, 12, 13]
     assert m.request_info(1)["hot_blocks"] == 2
     m.check_invariants()
+
+
+def test_one_manager_shared_by_a_serving_loop_and_metrics_threads():
+    """A serving loop mutates one manager while two threads read metrics from it: every read succeeds (calls
+    are serialized, never refused), and the loop ends where it ends alone. A timeout would mean a deadlock
+    (a thread holding the lock while waiting for the GIL)."""
+
+    def serve(m: ResidencyManager) -> int:
+        released = 0
+        for rid in range(300):
+            m.admit(rid, 100, max_len=200)
+            for _ in range(4):
+                plan = m.plan_step([(rid, 20)])
+                assert plan.ok
+                m.apply_results(plan.transfer_ids)
+                released += plan.released_pages
+            m.finish(rid)
+        return released
+
+    def fresh() -> ResidencyManager:
+        return manager(num_gpu_blocks=96, num_host_blocks=512, max_running=8)
+
+    shared = fresh()
+    stop = threading.Event()
+    reads, errors = [0, 0], []
+
+    def metrics(slot: int) -> None:
+        while not stop.is_set():
+            try:
+                s = shared.stats()
+                assert s["gpu_free"] + s["gpu_used"] == s["gpu_blocks"] - 1
+                assert "hisparse" in shared.capacity_log()
+                for rid in shared.request_ids():
+                    try:
+                        shared.request_info(rid)
+                    except UnknownRequestError:
+                        pass  # finished between the two calls: a true answer, not a failure
+                reads[slot] += 1
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+                return
+
+    readers = [threading.Thread(target=metrics, args=(i,)) for i in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        released = serve(shared)
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(timeout=30)
+    assert not any(t.is_alive() for t in readers), "a reader never came back: deadlock"
+    assert not errors, errors
+    assert min(reads) > 10
+    shared.check_invariants()
+    alone = fresh()
+    assert serve(alone) == released and alone.stats() == shared.stats()

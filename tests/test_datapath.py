@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from plans import plan as make_plan
 
-from hisparse import DataPath, InvalidArgumentError, Layout, ResidencyManager
+from hisparse import DataPath, InvalidArgumentError, Layout, ResidencyManager, _core
 from hisparse.datapath import RESOLVE_FIELDS, _check_disjoint, resolve_reference
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
@@ -371,3 +371,23 @@ def test_resolve_reference_takes_no_miss_plan():
     dp = filled()
     with pytest.raises(TypeError):
         resolve_reference(**reference_kwargs(dp), miss_plan=torch.zeros(2 * TOP_K, 2, dtype=torch.int64))
+
+
+def test_the_device_path_of_heat_summary_equals_the_reference():
+    """``_heat_summary_torch`` (ranked on the device, encoded on the host) reports and decays exactly what the
+    Rust reference does, ties included (equal heat ranks the older page first)."""
+    gen = torch.Generator().manual_seed(3)
+    ref = filled()
+    ref.apply(make_plan(seq_lens=[(2, 50), (3, 1)], scheduled=[(11, 2, 0, 50), (12, 3, 0, 1)],
+                        table_updates=[(2, p, 1 + p, p, p % 3 != 0) for p in range(13)]))
+    ref.state["heat"].copy_(torch.randint(0, 4, ref.state["heat"].shape, generator=gen, dtype=torch.int32))
+    other = filled()
+    for name, t in ref.state.items():
+        other.state[name].copy_(t)
+    for candidates in (3, 100):
+        want, got = ref.heat_summary(candidates), other._heat_summary_torch(candidates)
+        assert _core.decode_heat_summary(got) == _core.decode_heat_summary(want)
+        assert torch.equal(ref.state["heat"], other.state["heat"])
+    ranked = dict(_core.decode_heat_summary(ref.heat_summary(100)))
+    assert set(ranked) == {7, 11, 12, 2**64 - 1}  # the rows of VALID and the two above
+    assert [page for _, page in ranked[11]] == sorted(p for p in range(13) if p % 3)  # heat decayed to 0 by now

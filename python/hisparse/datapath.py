@@ -266,8 +266,11 @@ class Layout:
                 raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
         if self.row_bytes % 16:  # the kernels move rows in 16-byte vectors
             raise InvalidArgumentError(f"row_bytes ({self.row_bytes}) must be a multiple of 16")
-        if not self.layer_groups or sorted(set(self.layer_groups)) != list(range(max(self.layer_groups) + 1)):
-            raise InvalidArgumentError("layer_groups must name every group from 0 up")
+        groups = self.layer_groups
+        if not isinstance(groups, (tuple, list)) or not groups or any(
+                isinstance(g, bool) or not isinstance(g, int) for g in groups) or sorted(set(groups)) != list(
+                range(max(groups) + 1)):
+            raise InvalidArgumentError(f"layer_groups must name every group from 0 up, not {groups!r}")
 
     @property
     def num_layers(self) -> int:

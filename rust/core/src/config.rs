@@ -118,6 +118,9 @@ impl Config {
                 self.num_gpu_blocks, self.num_host_blocks, self.max_running
             ));
         }
+        if self.page_bytes > 1 << 40 {
+            return bad(format!("page_bytes ({}) is more than a TiB for one page: a typo?", self.page_bytes));
+        }
         if self.num_index_groups == 0 || self.max_running == 0 {
             return bad("num_index_groups and max_running must be positive".into());
         }

@@ -150,7 +150,8 @@ pub struct HeatTables<'a> {
 }
 
 /// `heat_summary` of SPEC.md: the `candidates` coldest releasable pages of every row that serves a
-/// request, then every count of those rows halved. Counts below 0 (never written by a resolver) read as 0.
+/// request (a positive length), then every count of those rows halved (the whole row). Counts below 0 (never written by a
+/// resolver) read as 0.
 pub fn summarize(
     t: &mut HeatTables<'_>,
     pages: usize,
@@ -169,9 +170,11 @@ pub fn summarize(
     }
     let mut out = HeatSummary::default();
     let mut ranked: Vec<(u32, u32)> = Vec::new();
-    for r in 0..s {
-        let Ok(request) = u64::try_from(t.row_request[r]) else { continue };
-        let used = (t.seq_lens[r].max(0) as usize).div_ceil(block_size).min(pages);
+    // A row serves a request while its length is positive; `row_request` holds the id's bits (u64::MAX
+    // reads as -1, the value of a free row, hence the length).
+    for r in (0..s).filter(|&r| t.seq_lens[r] > 0) {
+        let request = t.row_request[r] as u64;
+        let used = (t.seq_lens[r] as usize).div_ceil(block_size).min(pages);
         let row = r * pages..r * pages + used;
         ranked.clear();
         ranked.extend(
@@ -191,7 +194,7 @@ pub fn summarize(
         out.heat.extend(ranked.iter().map(|&(h, _)| h));
         out.pages.extend(ranked.iter().map(|&(_, p)| p));
         out.offsets.push(out.pages.len() as u32);
-        t.heat[row].iter_mut().for_each(|h| *h = (*h).max(0) >> 1);
+        t.heat[r * pages..(r + 1) * pages].iter_mut().for_each(|h| *h = (*h).max(0) >> 1);
     }
     Ok(out)
 }
@@ -250,7 +253,7 @@ mod tests {
         // Page 2 is not releasable, page 5 is beyond the request's 5 pages; the 3 coldest of 0, 1, 3, 4.
         assert_eq!(s.requests, [7]);
         assert_eq!(s.entries(0).collect::<Vec<_>>(), [(0, 1), (0, 4), (3, 3)]);
-        assert_eq!(heat[..6], [2, 0, 0, 1, 0, 9]);
+        assert_eq!(heat[..6], [2, 0, 0, 1, 0, 4]);
         s.validate().unwrap();
         assert_eq!(HeatSummary::decode(&s.encode()).unwrap(), s);
     }
