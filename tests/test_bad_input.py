@@ -92,7 +92,8 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         for bad in NOT_INTS + (NOT_U64 + [2**41, 2**63] if arg == "page_bytes" else NOT_U32):
             if bad is None and arg not in ("num_gpu_blocks", "max_model_len"):
                 continue  # None means "the default" for optional sizes
-            add("ResidencyManager()", f"{arg}={bad!r}", lambda arg=arg, bad=bad: ResidencyManager(**{**sizes, arg: bad}))
+            add("ResidencyManager()", f"{arg}={bad!r}",
+                lambda arg=arg, bad=bad: ResidencyManager(**{**sizes, arg: bad}))
     no_host = {k: v for k, v in sizes.items() if k != "num_host_blocks"}
     for bad in [math.nan, math.inf, -1.0, 0.0, 1e308, "1", True]:
         add("ResidencyManager()", f"host_pool_gib={bad!r}",
@@ -273,8 +274,10 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
                        ("short", plans.plan(missing_blocks=1)), ("row 6", plans.plan(cleared_rows=[6])),
                        ("block 40", plans.plan(restores=[(40, 1)]))]:
         add("DataPath.apply", what, lambda plan=plan: dp.apply(plan))
-    for what, call in [("group 2", lambda: dp.resolve(topk, row, 2)), ("layer 3", lambda: dp.gather(ids, 3)),
-                       ("int64 topk", lambda: dp.resolve(topk.long(), row)), ("row 9", lambda: dp.resolve(topk, row + 9))]:
+    for what, call in [("group 2", lambda: dp.resolve(topk, row, 2)),
+                       ("layer 3", lambda: dp.gather(ids, 3)),
+                       ("int64 topk", lambda: dp.resolve(topk.long(), row)),
+                       ("row 9", lambda: dp.resolve(topk, row + 9))]:
         add("DataPath.resolve/gather", what, call)
 
     # ------------------------------------------------------------ Layout

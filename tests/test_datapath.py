@@ -259,7 +259,7 @@ def test_invalidate_wants_pairs():
 VALID = dict(
     cleared_rows=[5],
     scheduled=[(7, 0, 0, 9), (2**64 - 1, 1, 95, 1)],
-    seq_lens=[(0, 9), (1, 96)],
+    seq_lens=[(0, 9, 7), (1, 96, 2**64 - 1)],
     table_updates=[(0, 0, 1, -1, False), (0, 1, 2, 7, True), (1, 23, 39, 39, False)],
     hot_updates=[(0, [3, 4, 5, 6]), (1, [])],
     restores=[(8, 9)],
@@ -269,8 +269,8 @@ VALID = dict(
 BAD = {
     "cleared row 6": dict(cleared_rows=[6]),
     "cleared row 4294967295": dict(cleared_rows=[-1]),
-    "state row 6": dict(seq_lens=[(6, 1)]),
-    "seq_len 97": dict(seq_lens=[(2, 97)]),
+    "state row 6": dict(seq_lens=[(6, 1, 3)]),
+    "seq_len 97": dict(seq_lens=[(2, 97, 3)]),
     "page 24": dict(table_updates=[(2, 24, 1, -1, False)]),
     "GPU block 40": dict(table_updates=[(2, 0, 40, -1, False)]),
     "host block 160": dict(table_updates=[(2, 0, 1, 160, False)]),
@@ -378,7 +378,7 @@ def test_the_device_path_of_heat_summary_equals_the_reference():
     Rust reference does, ties included (equal heat ranks the older page first)."""
     gen = torch.Generator().manual_seed(3)
     ref = filled()
-    ref.apply(make_plan(seq_lens=[(2, 50), (3, 1)], scheduled=[(11, 2, 0, 50), (12, 3, 0, 1)],
+    ref.apply(make_plan(seq_lens=[(2, 50, 11), (3, 1, 12)], scheduled=[(11, 2, 0, 50), (12, 3, 0, 1)],
                         table_updates=[(2, p, 1 + p, p, p % 3 != 0) for p in range(13)]))
     ref.state["heat"].copy_(torch.randint(0, 4, ref.state["heat"].shape, generator=gen, dtype=torch.int32))
     other = filled()

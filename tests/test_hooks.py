@@ -232,3 +232,27 @@ def test_heat_summaries_come_every_interval_and_the_counts_halve():
     assert rid == sched.core_id("a")
     pages = [page for _, page in ranking]
     assert pages[: len(pages) - 2] == sorted(set(pages) - {0, 1}) and set(pages[-2:]) == {0, 1}
+
+
+def test_rows_admitted_from_the_host_serve_their_own_request_before_they_are_scheduled():
+    """A request admitted from a host prefix has a length before its first step: the worker must know its
+    request from the plan that sets that length, or its heat would be reported for another (regression)."""
+    from hisparse import DataPath, ResidencyManager
+    from hisparse.scenario import Driver
+
+    m = ResidencyManager(num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
+                         block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len,
+                         max_running=LAYOUT.max_running, top_k=16, hot_rows=LAYOUT.hot_rows,
+                         num_index_groups=LAYOUT.num_groups, page_bytes=LAYOUT.page_bytes)
+    d = Driver(m, DataPath(LAYOUT), top_k=16)
+    d.admit(0, 41, family=1, shared_tokens=40)
+    d.step([(0, 41)])
+    d.step([(0, 0)])
+    d.close()
+    d.finish(0)  # five prefix pages are durable on the host
+    for rid in (1, 2):
+        assert d.admit(rid, 41, family=1, shared_tokens=40).cached_tokens == 40
+    d.step([(1, 1)])  # request 2 is not scheduled, yet its row has a length
+    summary = dict(_core.decode_heat_summary(d.dp.heat_summary(8)))
+    assert set(summary) == {d.core(1), d.core(2)}
+    d.close()

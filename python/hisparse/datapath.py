@@ -240,7 +240,7 @@ class _PlanSections:
                       else torch.zeros(0, dtype=torch.int64))
         self.long_spans: dict[str, tuple[int, int]] = {}
         lat = 0
-        for name in ("materialize", "scheduled", "transitions"):
+        for name in ("materialize", "seq_lens", "scheduled", "transitions"):
             self.long_spans[name] = (lat, lat + counts[name])
             lat += counts[name]
 
@@ -445,13 +445,11 @@ class DataPath:
                                 ("row_request", -1), ("heat", 0), ("status", 0), ("hot_blocks", 0), ("hot_pos", -1)):
                 st[name].index_fill_(0, rows, value)
             st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
-        sched = section("scheduled", 3)
-        if sched.numel():
-            a, b = s.long_spans["scheduled"]
-            st["row_request"].index_copy_(0, sched[:, 0], longs[a:b])
         lens = section("seq_lens", 2)
         if lens.numel():
+            a, b = s.long_spans["seq_lens"]
             st["seq_lens"].index_copy_(0, lens[:, 0], lens[:, 1].to(torch.int32))
+            st["row_request"].index_copy_(0, lens[:, 0], longs[a:b])
         table = section("table", 5)
         if table.numel():
             flat = table[:, 0] * lay.max_pages + table[:, 1]

@@ -48,6 +48,15 @@ pub struct HotUpdate {
     pub blocks: Vec<BlockId>,
 }
 
+/// A row's length after the step, and the request it serves (so that a worker always knows which request a
+/// row with a positive length belongs to: admission and resumption set both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowLength {
+    pub row: u32,
+    pub len: u32,
+    pub request: u64,
+}
+
 /// A request of the step: it writes positions `start .. start + tokens` through state row `row`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheduled {
@@ -67,7 +76,7 @@ pub struct Transition {
 
 /// One step's work for the worker, applied in this order before the forward pass:
 /// 1. `cleared_rows`: reset (tables null, no hot region, length 0, no request);
-/// 2. `scheduled` (which request each row serves), `seq_lens`, `table_updates`, `hot_updates`;
+/// 2. `seq_lens` (with the request each row serves), `table_updates`, `hot_updates`;
 /// 3. `restores` (host -> GPU) must land before the forward reads them;
 /// 4. `materialize` (GPU -> host) may overlap the forward: it reads only complete pages. Report each
 ///    transfer's end through `complete` (late, out of order, or failed is fine).
@@ -78,7 +87,7 @@ pub struct Transition {
 pub struct StepPlan {
     pub missing_blocks: u32,
     pub cleared_rows: Vec<u32>,
-    pub seq_lens: Vec<(u32, u32)>,
+    pub seq_lens: Vec<RowLength>,
     pub table_updates: Vec<TableUpdate>,
     pub hot_updates: Vec<HotUpdate>,
     pub restores: Vec<Restore>,
@@ -101,7 +110,7 @@ impl StepPlan {
     }
 
     /// The flat form: header, `u32` sections in the order of the fields, then the `u64` sections
-    /// (transfer ids, scheduled request ids, transition request ids). `SPEC.md` ("apply") gives the
+    /// (transfer ids, row-length request ids, scheduled request ids, transition request ids). `SPEC.md` ("apply") gives the
     /// layout a device kernel reads.
     pub fn encode(&self) -> Vec<u8> {
         let hot_blocks = self.hot_updates.iter().map(|h| h.blocks.len()).max().unwrap_or(0);
@@ -113,7 +122,8 @@ impl StepPlan {
             + 2 * (self.restores.len() + self.materialize.len())
             + 3 * self.scheduled.len()
             + 2 * self.transitions.len();
-        let longs = self.materialize.len() + self.scheduled.len() + self.transitions.len();
+        let longs =
+            self.materialize.len() + self.seq_lens.len() + self.scheduled.len() + self.transitions.len();
         let mut w = codec::Writer::with_capacity(4 * words + 8 * longs + 8);
         for v in
             [MAGIC, VERSION, self.missing_blocks, self.released_pages, self.lost_pages, hot_blocks as u32]
@@ -133,9 +143,9 @@ impl StepPlan {
             w.u32(n as u32);
         }
         self.cleared_rows.iter().for_each(|&r| w.u32(r));
-        for &(row, len) in &self.seq_lens {
-            w.u32(row);
-            w.u32(len);
+        for s in &self.seq_lens {
+            w.u32(s.row);
+            w.u32(s.len);
         }
         for u in &self.table_updates {
             for v in [u.row, u.page, u.gpu_block, u.host_block as u32, u.releasable as u32] {
@@ -167,6 +177,7 @@ impl StepPlan {
         }
         w.align8();
         self.materialize.iter().for_each(|c| w.u64(c.transfer));
+        self.seq_lens.iter().for_each(|s| w.u64(s.request));
         self.scheduled.iter().for_each(|s| w.u64(s.request));
         self.transitions.iter().for_each(|t| w.u64(t.request));
         w.finish()
@@ -187,7 +198,7 @@ impl StepPlan {
         let n_trans = r.count(2)?;
         let mut plan = StepPlan { missing_blocks, released_pages, lost_pages, ..StepPlan::default() };
         plan.cleared_rows = (0..n_cleared).map(|_| r.u32()).collect::<Result<_>>()?;
-        plan.seq_lens = (0..n_seq).map(|_| Ok((r.u32()?, r.u32()?))).collect::<Result<_>>()?;
+        let lens = (0..n_seq).map(|_| Ok((r.u32()?, r.u32()?))).collect::<Result<Vec<_>>>()?;
         for _ in 0..n_table {
             let (row, page, gpu_block, host_block, flags) =
                 (r.u32()?, r.u32()?, r.u32()?, r.u32()? as i32, r.u32()?);
@@ -224,6 +235,9 @@ impl StepPlan {
         for (gpu_block, host_block) in copies {
             plan.materialize.push(PageCopy { transfer: r.u64()?, gpu_block, host_block });
         }
+        for (row, len) in lens {
+            plan.seq_lens.push(RowLength { row, len, request: r.u64()? });
+        }
         for (row, start, tokens) in sched {
             plan.scheduled.push(Scheduled { request: r.u64()?, row, start, tokens });
         }
@@ -243,7 +257,10 @@ mod tests {
         StepPlan {
             missing_blocks: 0,
             cleared_rows: vec![3],
-            seq_lens: vec![(0, 130), (1, 7)],
+            seq_lens: vec![
+                RowLength { row: 0, len: 130, request: 9 },
+                RowLength { row: 1, len: 7, request: 1 << 63 },
+            ],
             table_updates: vec![
                 TableUpdate { row: 0, page: 2, gpu_block: 9, host_block: -1, releasable: false },
                 TableUpdate { row: 1, page: 0, gpu_block: 0, host_block: 4, releasable: true },

@@ -12,7 +12,7 @@ use crate::reference::{copy_units, Direction, LayerSlabs};
 
 /// The worker's state tensors for `S` rows, `P` pages, `HB` hot blocks, `G` groups and `H` hot rows,
 /// as flat row-major slices. `row_request` holds each row's request id (its bits; meaningful while the
-/// row's `seq_lens` entry is positive).
+/// row's `seq_lens` entry is positive: both are set together).
 pub struct WorkerState<'a> {
     pub seq_lens: &'a mut [i32],
     pub block_table: &'a mut [i32],
@@ -100,9 +100,9 @@ pub fn check_plan(
     for &row in &plan.cleared_rows {
         within("cleared row", row as i64, 0, s)?;
     }
-    for &(row, len) in &plan.seq_lens {
-        within("state row", row as i64, 0, s)?;
-        within("seq_len", len as i64, 0, geo.pages * geo.block_size + 1)?;
+    for l in &plan.seq_lens {
+        within("state row", l.row as i64, 0, s)?;
+        within("seq_len", l.len as i64, 0, geo.pages * geo.block_size + 1)?;
     }
     for u in &plan.table_updates {
         within("state row", u.row as i64, 0, s)?;
@@ -179,11 +179,9 @@ pub fn apply_plan(
         st.heat[r * p..(r + 1) * p].fill(0);
         st.reset_hot(r, geo, &[]);
     }
-    for sch in &plan.scheduled {
-        st.row_request[sch.row as usize] = sch.request as i64;
-    }
-    for &(row, len) in &plan.seq_lens {
-        st.seq_lens[row as usize] = len as i32;
+    for l in &plan.seq_lens {
+        st.seq_lens[l.row as usize] = l.len as i32;
+        st.row_request[l.row as usize] = l.request as i64;
     }
     for u in &plan.table_updates {
         let i = u.row as usize * p + u.page as usize;
@@ -206,7 +204,7 @@ pub fn apply_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{HotUpdate, PageCopy, Restore, Scheduled, TableUpdate};
+    use crate::plan::{HotUpdate, PageCopy, Restore, RowLength, Scheduled, TableUpdate};
 
     const GEO: WorkerGeometry =
         WorkerGeometry { pages: 4, block_size: 2, groups: 2, hot_rows: 4, row_bytes: 16 };
@@ -265,7 +263,7 @@ mod tests {
     fn plan() -> StepPlan {
         StepPlan {
             scheduled: vec![Scheduled { request: u64::MAX - 1, row: 1, start: 0, tokens: 5 }],
-            seq_lens: vec![(1, 5)],
+            seq_lens: vec![RowLength { row: 1, len: 5, request: u64::MAX - 1 }],
             table_updates: vec![
                 TableUpdate { row: 1, page: 0, gpu_block: 3, host_block: 2, releasable: true },
                 TableUpdate { row: 1, page: 2, gpu_block: 4, host_block: -1, releasable: false },
@@ -311,7 +309,7 @@ mod tests {
     fn refuses_a_plan_outside_the_layout_and_changes_nothing() {
         let bad = [
             StepPlan { cleared_rows: vec![2], ..plan() },
-            StepPlan { seq_lens: vec![(0, 9)], ..plan() },
+            StepPlan { seq_lens: vec![RowLength { row: 0, len: 9, request: 1 }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![1] }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![0, 1] }], ..plan() },
             StepPlan { restores: vec![Restore { gpu_block: 6, host_block: 0 }], ..plan() },

@@ -36,10 +36,10 @@ impl StepPlan {
     fn cleared_rows(&self) -> Vec<u32> {
         self.inner.cleared_rows.clone()
     }
-    /// (row, seq_len)
+    /// (row, seq_len, request_id): a row's length and the request it serves.
     #[getter]
-    fn seq_lens(&self) -> Vec<(u32, u32)> {
-        self.inner.seq_lens.clone()
+    fn seq_lens(&self) -> Vec<(u32, u32, u64)> {
+        self.inner.seq_lens.iter().map(|l| (l.row, l.len, l.request)).collect()
     }
     /// (row, page, gpu_block or 0, host_block or -1, releasable)
     #[getter]

@@ -20,7 +20,7 @@ use crate::heat::HeatSummary;
 use crate::host_pool::{HostBlockId, HostPool};
 use crate::ids::{IdMap, IdSet};
 use crate::page::{PageState, Residency, TransferId};
-use crate::plan::{HotUpdate, PageCopy, Restore, Scheduled, StepPlan, TableUpdate, Transition};
+use crate::plan::{HotUpdate, PageCopy, Restore, RowLength, Scheduled, StepPlan, TableUpdate, Transition};
 
 #[derive(Clone, Debug)]
 struct Page {

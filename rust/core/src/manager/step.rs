@@ -255,7 +255,10 @@ impl ResidencyManager {
         let mut seq_lens = p.seq_lens;
         seq_lens.sort_unstable();
         seq_lens.dedup();
-        plan.seq_lens = seq_lens.iter().filter_map(&running).map(|(r, row)| (row, r.seq_len)).collect();
+        plan.seq_lens = seq_lens
+            .iter()
+            .filter_map(|&id| running(&id).map(|(r, row)| RowLength { row, len: r.seq_len, request: id }))
+            .collect();
         let mut hot_rows = p.hot_rows;
         hot_rows.sort_unstable();
         hot_rows.dedup();
