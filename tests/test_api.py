@@ -182,9 +182,9 @@ def test_one_manager_shared_by_a_serving_loop_and_metrics_threads():
     are serialized, never refused), and the loop ends where it ends alone. A timeout would mean a deadlock
     (a thread holding the lock while waiting for the GIL)."""
 
-    def serve(m: ResidencyManager) -> int:
+    def serve(m: ResidencyManager, ids: range) -> int:
         released = 0
-        for rid in range(300):
+        for rid in ids:
             m.admit(rid, 100, max_len=200)
             for _ in range(4):
                 plan = m.plan_step([(rid, 20)])
@@ -220,15 +220,19 @@ def test_one_manager_shared_by_a_serving_loop_and_metrics_threads():
     readers = [threading.Thread(target=metrics, args=(i,)) for i in range(2)]
     for t in readers:
         t.start()
+    before, served, released = list(reads), 0, 0
     try:
-        released = serve(shared)
+        # Serve until each reader has read many times while the loop ran, however busy the machine is.
+        while served < 10_000 and (served < 200 or min(r - b for r, b in zip(reads, before, strict=True)) < 20):
+            released += serve(shared, range(served, served + 50))
+            served += 50
     finally:
         stop.set()
         for t in readers:
             t.join(timeout=30)
     assert not any(t.is_alive() for t in readers), "a reader never came back: deadlock"
     assert not errors, errors
-    assert min(reads) > 10
+    assert min(r - b for r, b in zip(reads, before, strict=True)) >= 20
     shared.check_invariants()
     alone = fresh()
-    assert serve(alone) == released and alone.stats() == shared.stats()
+    assert serve(alone, range(served)) == released and alone.stats() == shared.stats()

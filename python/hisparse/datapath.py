@@ -164,16 +164,18 @@ def _index(v: object, name: str, end: int) -> int:
     return v
 
 
-def _positions(positions: object, end: int, device: torch.device) -> torch.Tensor:
-    """Token positions as int64 on ``device``, each in ``0 .. end - 1``: an integer tensor (or a sequence of
-    ints), never floats, never a value that a cast would wrap."""
+def _positions(positions: object, low: int, end: int, device: torch.device) -> torch.Tensor:
+    """Token positions as int64 on ``device``, each in ``low .. end - 1``: an integer tensor (or a sequence of
+    ints), never floats, never a value that a cast would wrap. Checked where they are: positions on the host
+    cost the device nothing; positions already on a device are read back to be checked (a wait)."""
     t = positions if isinstance(positions, torch.Tensor) else _as_int64(positions, "positions")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 1:
         raise InvalidArgumentError(f"positions must be a 1-D integer tensor, not {_describe(t)}")
-    t = t.to(device=device, dtype=torch.int64)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= end):
-        raise InvalidArgumentError(f"positions must be in 0..{end - 1} (got {int(t.min())}..{int(t.max())})")
-    return t
+    if t.numel():
+        lo, hi = t.aminmax()
+        if int(lo) < low or int(hi) >= end:
+            raise InvalidArgumentError(f"positions must be in {low}..{end - 1} (got {int(lo)}..{int(hi)})")
+    return t.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
 def _as_int64(values: object, name: str) -> torch.Tensor:
@@ -211,6 +213,44 @@ def _pairs(pairs: object, name: str, limits: tuple[int, int], distinct: int | No
         if live.unique().numel() != live.numel():
             raise InvalidArgumentError(f"{name} writes one destination twice")
     return t.contiguous()
+
+
+class HeatSummaryInFlight:
+    """A heat summary on its way to the host: ``ready()`` says whether ``take()`` would not wait."""
+
+    def __init__(self, encoded: bytes | None = None):
+        self._encoded = encoded
+        self._host: tuple[torch.Tensor, ...] = ()
+        self._event = None
+        self._shape = (0, 0)
+
+    @classmethod
+    def copy_back(cls, tensors: tuple[torch.Tensor, ...], pages: int, k: int) -> HeatSummaryInFlight:
+        """Copies the ranked keys, counts, row requests and row lengths to pinned memory without waiting."""
+        out = cls()
+        device = tensors[0].device
+        pin = device.type == "cuda"
+        out._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
+        for host, t in zip(out._host, tensors, strict=True):
+            host.copy_(t, non_blocking=pin)
+        if pin:
+            out._event = torch.cuda.Event()
+            out._event.record()
+        out._shape = (pages, k)
+        return out
+
+    def ready(self) -> bool:
+        return self._encoded is not None or self._event is None or self._event.query()
+
+    def take(self) -> bytes:
+        if self._encoded is None:
+            if self._event is not None:
+                self._event.synchronize()
+            names = ("keys", "counts", "row_request", "seq_lens")
+            bufs = [_buf(t, name, t.dtype) for t, name in zip(self._host, names, strict=True)]
+            self._encoded = _core._encode_heat_summary(bufs, *self._shape)
+            self._host = ()
+        return self._encoded
 
 
 class _PlanSections:
@@ -475,17 +515,27 @@ class DataPath:
     def heat_summary(self, candidates: int = 128) -> bytes:
         """The ``candidates`` coldest releasable pages of every running row, coldest first, encoded for
         :meth:`ResidencyManager.apply_results`; then every count of those rows is halved (``heat.rs`` gives the
-        decay rule). One pass over the heat table; nothing per page in Python."""
+        decay rule). One pass over the heat table; nothing per page in Python. On a device this waits for the
+        ranking; :meth:`start_heat_summary` does not."""
+        return self.start_heat_summary(candidates).take()
+
+    def start_heat_summary(self, candidates: int = 128) -> HeatSummaryInFlight:
+        """Starts a heat summary (and the decay): on CPU it is done at once; on a device the ranking is queued
+        on the current stream and copied back to pinned memory, ready once its event has passed."""
         if isinstance(candidates, bool) or not isinstance(candidates, int) or not 0 < candidates < 2**31:
             raise InvalidArgumentError(f"candidates must be a positive integer, not {candidates!r}")
         lay = self.layout
         if self.device.type == "cpu":
             tables = [_buf(self.state[name], name, _DTYPES.get(name, torch.int32)) for name in HEAT_FIELDS]
-            return _core._ref_heat_summary(tables, lay.max_pages, lay.block_size, candidates)
-        return self._heat_summary_torch(candidates)
+            return HeatSummaryInFlight(_core._ref_heat_summary(tables, lay.max_pages, lay.block_size, candidates))
+        return self._rank_heat_torch(candidates)
 
     def _heat_summary_torch(self, candidates: int) -> bytes:
-        """The device path of ``heat_summary``: ranks on the device, one copy of [S, candidates] keys back."""
+        """The device path of ``heat_summary``, waiting for it (tests run it on CPU tensors)."""
+        return self._rank_heat_torch(candidates).take()
+
+    def _rank_heat_torch(self, candidates: int) -> HeatSummaryInFlight:
+        """Ranks on the device; one copy of [S, candidates] keys (and the rows' requests) back to the host."""
         lay, st = self.layout, self.state
         p = lay.max_pages
         pages = torch.arange(p, device=self.device)
@@ -499,10 +549,7 @@ class DataPath:
         ranked = torch.topk(keys, k, dim=1, largest=False, sorted=True).values
         count = eligible.sum(dim=1).clamp(max=k)
         st["heat"].copy_(torch.where(running[:, None], st["heat"].clamp(min=0) >> 1, st["heat"]))
-        host = [t.to("cpu") for t in (ranked, count, st["row_request"], st["seq_lens"])]
-        bufs = [_buf(t.contiguous(), name, t.dtype) for t, name in zip(host, ("keys", "counts", "row_request",
-                                                                              "seq_lens"), strict=True)]
-        return _core._encode_heat_summary(bufs, p, k)
+        return HeatSummaryInFlight.copy_back((ranked, count, st["row_request"], st["seq_lens"]), p, k)
 
     # ------------------------------------------------------------------ the kernels
 
@@ -602,15 +649,18 @@ class DataPath:
 
     # ------------------------------------------------------------------ helpers for engines and tests
 
-    def token_rows(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        """GPU rows where the KV of ``positions`` (int64, each in ``0 .. max_model_len``) of state row ``row`` is
-        written (the slot mapping); every position must be on a resident page."""
+    def token_rows(self, row: int, positions: torch.Tensor, *, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """GPU rows where the KV of ``positions`` (integers in ``start .. end - 1``, by default the whole
+        ``max_model_len``) of state row ``row`` is written: the slot mapping. Give positions on the host to keep
+        the device from waiting. On CPU a position on a page without a resident block is refused; on a device
+        that check would wait, and such a position maps into the null block, which nothing reads (the pages a
+        step writes are always resident: they are the newest)."""
         lay = self.layout
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < lay.max_running:
             raise InvalidArgumentError(f"row must be a state row in 0..{lay.max_running - 1}, not {row!r}")
-        positions = _positions(positions, lay.max_model_len, self.device)
+        positions = _positions(positions, start, lay.max_model_len if end is None else end, self.device)
         blocks = self.state["block_table"][row, positions // lay.block_size]
-        if bool((blocks == 0).any()):
+        if self.device.type == "cpu" and bool((blocks == 0).any()):
             raise InvalidArgumentError(f"row {row}: some positions have no resident block to write")
         return blocks.to(torch.int64) * lay.block_size + positions % lay.block_size
 

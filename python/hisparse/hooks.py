@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, Layout
+from .datapath import DataPath, HeatSummaryInFlight, Layout
 from .errors import InvalidArgumentError, UnknownRequestError
 
 __all__ = [
@@ -390,6 +390,7 @@ class WorkerHooks:
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
         self._in_flight: list[_InFlight] = []
+        self._summaries: list[HeatSummaryInFlight] = []
         self._counters = _LaggedCounters(datapath.device)
 
     @classmethod
@@ -469,18 +470,18 @@ class WorkerHooks:
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def token_rows(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
-        """GPU rows (the slot mapping) where the new KV of ``positions`` of a scheduled request is written."""
+        """GPU rows (the slot mapping) where the new KV of ``positions`` (an integer tensor, on the host to keep
+        the device from waiting) of a scheduled request is written."""
         step = self._need_step("token_rows()")
         req = step.request(request_id)
-        if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype in (
-                torch.bool, torch.complex64, torch.complex128):
-            raise InvalidArgumentError(f"positions must be an integer tensor, not {positions!r}")
-        positions = positions.to(device=self.device, dtype=torch.int64)
-        if positions.numel() and (int(positions.min()) < req.start or int(positions.max()) >= req.seq_len):
+        if not isinstance(positions, torch.Tensor):
+            raise InvalidArgumentError(f"positions must be an integer tensor, not {type(positions).__name__}")
+        try:
+            return self.dp.token_rows(req.row, positions, start=req.start, end=req.seq_len)
+        except InvalidArgumentError as e:
             raise InvalidArgumentError(
-                f"request {request_id!r} writes positions {req.start}..{req.seq_len - 1} in step {step.step}"
-            )
-        return self.dp.token_rows(req.row, positions)
+                f"request {request_id!r} writes positions {req.start}..{req.seq_len - 1} in step {step.step}: {e}"
+            ) from None
 
     def write(self, request_id: str, positions: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Writes the new KV ``rows`` [n, row_bytes] uint8 of ``positions`` [n] of a scheduled request into
@@ -569,7 +570,12 @@ class WorkerHooks:
         finished = [f.done() for f in self._in_flight]  # one query each: an event may pass meanwhile
         completed = tuple(t for f, ok in zip(self._in_flight, finished, strict=True) if ok for t in f.transfers)
         self._in_flight = [f for f, ok in zip(self._in_flight, finished, strict=True) if not ok]
-        heat = self.dp.heat_summary(self.heat_candidates) if step.step % self.heat_interval == 0 else None
+        if step.step % self.heat_interval == 0:
+            self._summaries.append(self.dp.start_heat_summary(self.heat_candidates))
+        # A summary goes out once it reached the host (on CPU: now); a later one replaces an earlier one.
+        heat = None
+        while self._summaries and self._summaries[0].ready():
+            heat = self._summaries.pop(0).take()
         hits, misses, h2d = self._counters.take(self.dp.state["counters"])
         self._step = None
         return StepResults(step.step, completed, (), heat, hits, misses, h2d)
