@@ -15,7 +15,10 @@ The workload, for N requests of about C tokens (block 64, top-K 2048, 4096 hot r
 * heat summaries every 32 steps (``WorkerHooks`` default), 128 candidates per request.
 
 Setup (prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
-(scheduler), ``apply`` and ``end_step`` (worker); not the resolver, which is the GPU kernel's work. Prints
+(scheduler), ``apply`` and ``end_step`` (worker); not the resolver, which is the GPU kernel's work (it runs
+between them, as the forward does, and leaves the caches as cold as a forward would). Wall time
+(``time.perf_counter``): a thread's CPU clock costs ~5 us per reading on this VM, more than what it would
+measure. Prints
 one JSON line: ``sched_us_per_req_<N>x<C>`` (p50), ``..._p90_...``, ``worker_us_per_req_...``,
 ``core_us_per_req_...``, ``plan_bytes_...`` (the pickled WorkerStep), and the workload's counters.
 
@@ -42,6 +45,7 @@ from hisparse.hooks import SchedulerHooks, WorkerHooks
 
 BLOCK, TOP_K, HOT_ROWS, ROW_BYTES = 64, 2048, 4096, 16
 SINKS, RECENT = 64, 512
+clock = time.perf_counter
 CHUNK = 1 << 20  # prefill tokens per setup step, over all requests
 
 
@@ -59,18 +63,18 @@ class Timed:
         return item in self._m
 
     def plan_step(self, scheduled):
-        t = time.perf_counter()
+        t = clock()
         try:
             return self._m.plan_step(scheduled)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += clock() - t
 
     def apply_results(self, completed=None, failed=None, heat=None):
-        t = time.perf_counter()
+        t = clock()
         try:
             return self._m.apply_results(completed, failed, heat)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += clock() - t
 
 
 def parse_config(text: str) -> tuple[int, int]:
@@ -126,32 +130,34 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
         """plan -> apply -> (resolve) -> end_step -> apply_results, copies reported a step late. False: the
         plan was short (only while setting up; a timed step must fit)."""
         nonlocal late
-        t0 = time.perf_counter()
+        t0 = clock()
         core0 = timed.seconds
         step = sched.plan_step(scheduled)
-        t1 = time.perf_counter()
+        t1 = clock()
         if not step.ok:
             if timing is None:
                 return False
             raise RuntimeError(f"the benchmark's pool is too small: {step.missing_blocks} blocks missing")
         worker.apply(step)
-        t2 = time.perf_counter()
+        t2 = clock()
         resolved = 0.0
         if timing is not None:
             lens = torch.tensor([s for _, _, s, _ in step.plan.scheduled], dtype=torch.int64) + 1
             topk = selections(lens, strides, gen)
             rows = torch.tensor(step.plan.rows, dtype=torch.int32)
-            r0 = time.perf_counter()
+            r0 = clock()
             worker.resolve(topk, rows)
-            resolved = time.perf_counter() - r0
-        t3 = time.perf_counter()
+            resolved = clock() - r0
+        t3 = clock()
         results = worker.end_step()
-        t4 = time.perf_counter()
-        now, late = late, results.completed
-        sched.apply_results(replace(results, completed=now))
-        t5 = time.perf_counter()
+        t4 = clock()
+        due, late = late, results.completed  # the engine hands the copies over a step late: not timed
+        results = replace(results, completed=due)
+        t5 = clock()
+        sched.apply_results(results)
+        t6 = clock()
         if timing is not None:
-            timing["sched"].append((t1 - t0) + (t5 - t4))
+            timing["sched"].append((t1 - t0) + (t6 - t5))
             timing["worker"].append((t2 - t1) + (t4 - t3))
             timing["core"].append(timed.seconds - core0)
             timing["resolve"].append(resolved)
@@ -164,7 +170,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
     # pool cannot back is halved; a step without tokens lets the copies (and so the releases) catch up.
     left = dict(zip(names, lens0, strict=True))
     flush = [(name, 0) for name in names]
-    t_setup = time.perf_counter()
+    t_setup = clock()
     chunk = CHUNK
     while any(left.values()):
         budget, scheduled = chunk, []
@@ -180,7 +186,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
             chunk = max(BLOCK, chunk // 2)
             one_step(flush, None)
     one_step(flush, None)  # the last chunk's pages are copied
-    setup_s = time.perf_counter() - t_setup
+    setup_s = clock() - t_setup
     strides = torch.randint(1, 1 << 16, (n,), generator=gen) * 2 + 1
 
     timing: dict[str, list] = {k: [] for k in ("sched", "worker", "core", "resolve", "plan_bytes", "allocating",

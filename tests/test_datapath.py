@@ -391,3 +391,22 @@ def test_the_device_path_of_heat_summary_equals_the_reference():
     ranked = dict(_core.decode_heat_summary(ref.heat_summary(100)))
     assert set(ranked) == {7, 11, 12, 2**64 - 1}  # the rows of VALID and the two above
     assert [page for _, page in ranked[11]] == sorted(p for p in range(13) if p % 3)  # heat decayed to 0 by now
+
+
+def test_apply_checks_again_after_a_tensor_is_replaced():
+    """apply caches its checks across steps; replacing a state tensor, the slab or the pool is noticed."""
+    dp = filled()
+    dp.apply(make_plan())  # checked and cached
+    before = snapshot(dp)
+    heat = dp.state["heat"]
+    dp.state["heat"] = dp.state["block_table"]  # aliases another tensor apply writes
+    with overlap_error("block_table", "heat"):
+        dp.apply(make_plan())
+    dp.state["heat"] = heat
+    gpu = dp.gpu
+    dp.gpu = [gpu[0], gpu[0], gpu[2]]
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        dp.apply(make_plan())
+    dp.gpu = gpu
+    dp.apply(make_plan())
+    assert_unchanged(dp, before)

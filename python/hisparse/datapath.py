@@ -215,6 +215,24 @@ def _pairs(pairs: object, name: str, limits: tuple[int, int], distinct: int | No
     return t.contiguous()
 
 
+class _State(dict):
+    """The state tensors by name; counts replacements, so that checks made once stay valid until one."""
+
+    version = 0
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def update(self, *args, **kwargs) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+
 class HeatSummaryInFlight:
     """A heat summary on its way to the host: ``ready()`` says whether ``take()`` would not wait."""
 
@@ -398,7 +416,7 @@ class DataPath:
                                    dtype=torch.uint8, device=dev)
             self.host = torch.zeros(lay.num_layers, lay.num_host_blocks * lay.block_size, lay.row_bytes,
                                     dtype=torch.uint8, pin_memory=dev.type == "cuda")
-        self.state: dict[str, torch.Tensor] = {
+        self.state: dict[str, torch.Tensor] = _State({
             "seq_lens": torch.zeros(s, **i32),
             "block_table": torch.zeros(s, p, **i32),
             "host_table": torch.full((s, p), -1, **i32),
@@ -411,7 +429,9 @@ class DataPath:
             # What only apply and heat_summary use: the pages the core may release, and each row's request.
             "releasable": torch.zeros(s, p, dtype=torch.uint8, device=dev),
             "row_request": torch.full((s,), -1, dtype=torch.int64, device=dev),
-        }
+        })
+        self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
+        self._cpu = dev.type == "cpu"
         self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
@@ -426,14 +446,13 @@ class DataPath:
         """
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
-        if self.device.type == "cpu":
+        if self._cpu:
             self._apply_reference(plan)
         else:
             self._apply_torch(plan)
 
     def _worker_geometry(self) -> tuple[int, int, int, int, int]:
-        lay = self.layout
-        return lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes
+        return self._geometry
 
     def _layer_bufs(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list, list]:
         gpu = {f"gpu layer {i}": g for i, g in enumerate(self.gpu)}
@@ -443,29 +462,29 @@ class DataPath:
                 [_rows_view(h, name, rb) for name, h in host.items()])
 
     def _apply_reference(self, plan: _core.StepPlan) -> None:
-        _core._ref_apply(plan, self._worker_geometry(), *self._apply_bufs())
+        _core._ref_apply(plan, self._apply_bufs())
 
-    def _apply_bufs(self) -> tuple[list, list, list]:
-        """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced: ``apply`` runs
-        every step, and checking a dozen tensors costs far more than applying a decode step's plan. (Tensors
-        must not be resized in place while a DataPath uses them; replacing them is noticed here.)"""
-        tensors = (*(self.state[name] for name in APPLY_FIELDS), *self._layer_parents())
-        ptrs = tuple(t.data_ptr() for t in tensors)
+    def _apply_bufs(self) -> _core.ApplyBuffers:
+        """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced (an assignment
+        to ``gpu``, ``host`` or an entry of ``state``): ``apply`` runs every step, and checking a dozen tensors
+        costs more than applying a decode step's plan. Tensors must not be resized in place while a DataPath
+        uses them."""
+        # A state replaced by a plain dict has no version: then every call checks.
+        version = self.state.version if isinstance(self.state, _State) else None
+        key = (self.state, self.gpu, self.host)
         cached = self._checked_apply
-        if cached is not None and cached[0] == ptrs and all(a is b for a, b in zip(cached[1], tensors, strict=True)):
+        if (cached is not None and version is not None and cached[0] == version
+                and all(a is b for a, b in zip(cached[1], key, strict=True))):
             return cached[2]
         state = {name: self.state[name] for name in APPLY_FIELDS}
         bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in state.items()]
         gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
         # Rust takes every state tensor and both sides of every layer as mutable slices.
         _check_disjoint({**state, **gpu, **host}, {})
-        self._checked_apply = (ptrs, tensors, (bufs, gpu_bufs, host_bufs))
-        return bufs, gpu_bufs, host_bufs
-
-    def _layer_parents(self) -> list[torch.Tensor]:
-        """The tensors that hold the layers: the slab (one tensor, or one per layer) and the host pool."""
-        gpu = [self.gpu] if isinstance(self.gpu, torch.Tensor) else list(self.gpu)
-        return [*gpu, self.host]
+        # The key keeps every tensor alive as long as the buffers that point into them.
+        buffers = _core.ApplyBuffers(self._geometry, bufs, gpu_bufs, host_bufs)
+        self._checked_apply = (version, key, buffers, state, gpu, host)
+        return buffers
 
     def _apply_torch(self, plan: _core.StepPlan) -> None:
         """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""

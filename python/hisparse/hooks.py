@@ -52,6 +52,7 @@ copies and the same selections) go to ``apply_results``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -129,10 +130,11 @@ class WorkerStep:
             raise UnknownRequestError(f"request {request_id!r} is not scheduled in step {self.step}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepResults:
-    """What the worker reports after the forward of one step. Edit with :func:`dataclasses.replace` to hold
-    back or fail completions; a refused report changes nothing and can be sent again, corrected."""
+    """What the worker reports after the forward of one step. Edit it (or :func:`dataclasses.replace` it) to
+    hold back or fail completions; a refused report changes nothing and can be sent again, corrected. (Not
+    frozen: a frozen dataclass costs microseconds to build, and one is built every step.)"""
 
     step: int
     #: Host copies (transfer ids of ``plan.materialize``) that finished, and those that failed. A copy still
@@ -141,7 +143,8 @@ class StepResults:
     failed: tuple[int, ...] = ()
     #: A heat summary (``DataPath.heat_summary``), every ``heat_interval`` steps; None in between.
     heat: bytes | None = None
-    #: Resolver counters since the last results.
+    #: Resolver counters since the last results that carried them (every ``heat_interval`` steps, with the heat:
+    #: metrics need no more, and reading them every step would cost more than the rest of ``end_step``).
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
@@ -263,23 +266,25 @@ class SchedulerHooks:
                 f"the worker must apply() that step, run its forward and end_step(), then pass the StepResults "
                 f"to apply_results()"
             )
-        # Whole-list operations (zip, map): this runs every step for every request, so no Python loop.
+        # One comprehension per step (it runs for every request every step); the core checks the counts.
         pairs = scheduled if isinstance(scheduled, list) else list(scheduled)
+        ids = self._ids
         try:
-            names, counts = zip(*pairs, strict=True) if pairs else ((), ())
-            core = list(map(self._ids.get, names))
+            core = [(ids[rid], n) for rid, n in pairs]
+        except KeyError:
+            for rid, _ in pairs:
+                self.core_id(rid)  # raises the precise error (not a string, or not admitted)
+            raise
         except (TypeError, ValueError):
             raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
-        if None in core:
-            self.core_id(names[core.index(None)])  # raises the precise error (not a string, or not admitted)
-        plan = self.manager.plan_step(list(zip(core, counts, strict=True)))
+        plan = self.manager.plan_step(core)
         self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
             self._metrics["short_plans"] += 1
             return WorkerStep(0, plan)
         self._steps += 1
         self._outstanding = self._steps
-        return WorkerStep(self._steps, plan, names)
+        return WorkerStep(self._steps, plan, tuple([rid for rid, _ in pairs]))
 
     def apply_results(self, results: StepResults) -> None:
         """Takes the worker's feedback of the outstanding step in one atomic core call: finished and failed
@@ -347,16 +352,28 @@ class _InFlight:
 @dataclass
 class _LaggedCounters:
     """The resolver's counters, read without waiting for the device: each step copies them into pinned
-    memory behind an event, and the next step reads the copy once the event is done."""
+    memory behind an event, and the next step reads the copy once the event is done. On CPU they are read in
+    place through a view of their memory (a torch call after the forward costs tens of microseconds: the
+    forward has evicted torch's dispatcher from the caches)."""
 
     device: torch.device
     last: tuple[int, int, int] = (0, 0, 0)
     pending: list = field(default_factory=list)
+    view: tuple = (None, None)
+
+    def _read_cpu(self, counters: torch.Tensor) -> tuple[int, int, int]:
+        tensor, array = self.view
+        if tensor is not counters:
+            if counters.dtype != torch.int64 or counters.shape != (3,) or not counters.is_contiguous():
+                raise InvalidArgumentError("the counters tensor must be 3 contiguous int64")
+            array = (ctypes.c_int64 * 3).from_address(counters.data_ptr())
+            self.view = (counters, array)
+        return tuple(array)
 
     def take(self, counters: torch.Tensor) -> tuple[int, int, int]:
         """The counters' growth since the last call that could read them (on CPU: now)."""
         if self.device.type != "cuda":
-            now = tuple(counters.tolist())
+            now = self._read_cpu(counters)
         else:
             host = torch.empty(3, dtype=torch.int64, pin_memory=True)
             host.copy_(counters, non_blocking=True)
@@ -386,6 +403,7 @@ class WorkerHooks:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
                 raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
         self.dp = datapath
+        self._cuda = datapath.device.type == "cuda"
         self.heat_interval, self.heat_candidates = heat_interval, heat_candidates
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
@@ -446,16 +464,16 @@ class WorkerHooks:
         if step.step != self._last + 1:
             raise CallOrderError(f"apply() of step {step.step} skips step {self._last + 1}: apply plans in order")
         self.dp.apply(step.plan)
-        started = tuple(step.plan.transfer_ids)
+        started = step.plan.transfer_ids
         if started:
             event = None
-            if self.device.type == "cuda":
+            if self._cuda:
                 event = torch.cuda.Event()
                 event.record()
-            self._in_flight.append(_InFlight(started, event))
+            self._in_flight.append(_InFlight(tuple(started), event))
         self._step = step
         self._last = step.step
-        return list(started)
+        return started
 
     # ------------------------------------------------------------------ during the forward
 
@@ -561,21 +579,27 @@ class WorkerHooks:
 
     # ------------------------------------------------------------------ after the forward
 
-    def end_step(self) -> StepResults:
+    def end_step(self, *, flush: bool = False) -> StepResults:
         """Ends the step after the forward and returns the results for :meth:`SchedulerHooks.apply_results`:
         the host copies that are done (on CUDA, those whose event has passed; the others come with a later
-        step), a heat summary every ``heat_interval`` steps, and the resolver's counters. Never waits for the
-        device."""
+        step); every ``heat_interval`` steps a heat summary and the resolver's counters (``flush``: the counters
+        now, e.g. at the end of a run). Never waits for the device."""
         step = self._need_step("end_step()")
-        finished = [f.done() for f in self._in_flight]  # one query each: an event may pass meanwhile
-        completed = tuple(t for f, ok in zip(self._in_flight, finished, strict=True) if ok for t in f.transfers)
-        self._in_flight = [f for f, ok in zip(self._in_flight, finished, strict=True) if not ok]
+        if not self._cuda:  # copies on CPU are done when apply() returns
+            completed = tuple(t for f in self._in_flight for t in f.transfers)
+            self._in_flight = []
+        else:
+            finished = [f.done() for f in self._in_flight]  # one query each: an event may pass meanwhile
+            completed = tuple(t for f, ok in zip(self._in_flight, finished, strict=True) if ok for t in f.transfers)
+            self._in_flight = [f for f, ok in zip(self._in_flight, finished, strict=True) if not ok]
         if step.step % self.heat_interval == 0:
             self._summaries.append(self.dp.start_heat_summary(self.heat_candidates))
         # A summary goes out once it reached the host (on CPU: now); a later one replaces an earlier one.
         heat = None
         while self._summaries and self._summaries[0].ready():
             heat = self._summaries.pop(0).take()
-        hits, misses, h2d = self._counters.take(self.dp.state["counters"])
         self._step = None
+        if step.step % self.heat_interval and not flush:
+            return StepResults(step.step, completed, (), heat)
+        hits, misses, h2d = self._counters.take(self.dp.state["counters"])
         return StepResults(step.step, completed, (), heat, hits, misses, h2d)

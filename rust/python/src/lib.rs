@@ -53,6 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ResidencyManager>()?;
     m.add_class::<plan::StepPlan>()?;
     m.add_class::<manager::Admission>()?;
+    m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(reference::decode_heat_summary, m)?)?;

@@ -109,20 +109,46 @@ pub fn _ref_invalidate(
         .py()
 }
 
-/// `state`: seq_lens, block_table, host_table, releasable, row_request, hot_blocks, hot_pos, hot_lru,
-/// heat, status. `geometry`: (pages, block_size, groups, hot_rows, row_bytes).
+/// What `_ref_apply` writes, checked once by `hisparse.datapath` and kept for as long as the tensors are:
+/// `apply` runs every step, and converting a dozen (address, length) pairs from Python each time would
+/// cost more than applying a decode step's plan. `state`: seq_lens, block_table, host_table, releasable,
+/// row_request, hot_blocks, hot_pos, hot_lru, heat, status. `geometry`: (pages, block_size, groups,
+/// hot_rows, row_bytes).
+#[pyclass(frozen, module = "hisparse._core")]
+pub struct ApplyBuffers {
+    geo: WorkerGeometry,
+    state: [Buf; 10],
+    gpu: Vec<Buf>,
+    host: Vec<Buf>,
+}
+
+#[pymethods]
+impl ApplyBuffers {
+    #[new]
+    fn new(
+        geometry: (usize, usize, usize, usize, usize),
+        state: [Buf; 10],
+        gpu: Vec<Buf>,
+        host: Vec<Buf>,
+    ) -> Self {
+        let (pages, block_size, groups, hot_rows, row_bytes) = geometry;
+        ApplyBuffers {
+            geo: WorkerGeometry { pages, block_size, groups, hot_rows, row_bytes },
+            state,
+            gpu,
+            host,
+        }
+    }
+}
+
 #[pyfunction]
 pub fn _ref_apply(
     py: Python<'_>,
     plan: &Bound<'_, StepPlan>,
-    geometry: (usize, usize, usize, usize, usize),
-    state: [Buf; 10],
-    gpu_layers: Vec<Buf>,
-    host_layers: Vec<Buf>,
+    buffers: &Bound<'_, ApplyBuffers>,
 ) -> PyResult<()> {
-    let (pages, block_size, groups, hot_rows, row_bytes) = geometry;
-    let geo = WorkerGeometry { pages, block_size, groups, hot_rows, row_bytes };
     let plan = &plan.get().inner;
+    let ApplyBuffers { geo, state, gpu: gpu_layers, host: host_layers } = buffers.get();
     py.detach(|| unsafe {
         let mut st = WorkerState {
             seq_lens: view_mut(state[0]),
@@ -136,8 +162,8 @@ pub fn _ref_apply(
             heat: view_mut(state[8]),
             status: view_mut(state[9]),
         };
-        let mut layers = layer_views(&gpu_layers, &host_layers);
-        worker::apply_plan(plan, &geo, &mut st, &mut layers)
+        let mut layers = layer_views(gpu_layers, host_layers);
+        worker::apply_plan(plan, geo, &mut st, &mut layers)
     })
     .py()
 }
