@@ -246,7 +246,7 @@ class HiSparseHooksConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         """Ends the step: mirrors written rows, collects heat and finished copies."""
         if self.worker is not None and self.worker.in_step is not None:
-            self._results = self.worker.end_step()
+            self._results = self.worker.end_step(flush=True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
