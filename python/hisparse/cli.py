@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the usage text stays behind ``--help``)."""
 
+    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's, by name
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
@@ -47,7 +49,8 @@ class _Version(argparse.Action):
 
 def build_parser(command: str | None = None) -> ArgumentParser:
     """The parser with ``command``'s full set of flags; every other command is listed by name and help only."""
-    parser = ArgumentParser(prog="hisparse", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="hisparse", description="Tools of hisparse, the KV residency core for sparse-"
+                            "attention models. `hisparse COMMAND --help` lists a command's flags.")
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -55,6 +58,7 @@ def build_parser(command: str | None = None) -> ArgumentParser:
             importlib.import_module(module).add_parser(sub)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
+    parser.commands = sub.choices
     return parser
 
 
@@ -73,9 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(command if command in COMMANDS else None)
     except ImportError as exc:  # a tool's dependency (torch, the compiled core) is missing
         return _fail(f"hisparse {command}", f"cannot load this tool: {exc}", 1)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.error(f"choose a command: {', '.join(COMMANDS)}")
+    if extra:  # reported by the command's parser, so that the message names the command
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     prog = f"hisparse {args.command}"
     try:
         return int(args.func(args) or 0)

@@ -19,13 +19,13 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from ..errors import ConfigError
 from ..tools import console
-from ..tools.argtypes import name_list, plot_path, positive_float, positive_int, seed, torch_device
+from ..tools.argtypes import U32_MAX, float_range, name_list, plot_path, positive_int, seed, torch_device
 from .engine import MODES, Engine, EngineConfig, RunResult
 from .model import ModelConfig, TinyDSA
 from .workload import make_workload
@@ -109,12 +109,13 @@ def estimate_memory(cfg: DemoConfig) -> tuple[int, int]:
     of the reference, which is kept), the cache of prefix keys, the prompts and the weights. An estimate: it
     leaves out what does not grow with the flags (a step's activations, torch itself)."""
     m = cfg.model_config()
+    groups = -(-m.layers // m.index_share)  # not m.num_groups: it lists every layer, 2**31 of them for a typo
     page = cfg.block_size * m.row_bytes * m.layers
     ppr = cfg.pages_per_request
     host_pool = (cfg.requests + cfg.max_running) * ppr * page
     gpu_pool = max(cfg.unlimited_blocks, cfg.gpu_blocks) * page
-    per_request = cfg.max_len * (8 * m.num_groups * m.index_dim + 8 * m.layers + 1)
-    prefix_keys = cfg.requests * ppr * cfg.block_size * 8 * m.num_groups * m.index_dim
+    per_request = cfg.max_len * (8 * groups * m.index_dim + 8 * m.layers + 1)
+    prefix_keys = cfg.requests * ppr * cfg.block_size * 8 * groups * m.index_dim
     weights = 8 * m.layers * m.hidden * ((m.latent + m.rope) * (2 * m.heads + 1) + 2 * m.mlp)
     tokens = 24 * cfg.requests * cfg.max_len  # a tuple and a list slot per token, and the generated lists
     device = gpu_pool + 2 * cfg.requests * per_request + prefix_keys + weights
@@ -150,28 +151,48 @@ def _fewest_blocks(model: TinyDSA, cfg: DemoConfig, mode: str, blocks: int) -> i
 
 def check_pools(model: TinyDSA, cfg: DemoConfig, modes: Sequence[str]) -> int:
     """Checks every mode's GPU pool against one request before anything runs; returns the reference run's pool
-    (room for every request, or the smallest pool it runs with when that is larger)."""
-    for mode in modes:
-        why = _probe(model, cfg, mode, cfg.gpu_blocks)
-        if why is not None:
-            need = _fewest_blocks(model, cfg, mode, cfg.gpu_blocks)
-            fit = math.ceil(100 * (need - 1) / cfg.pages_per_request) / 100
-            raise ConfigError(f"--fit {cfg.fit:g} gives {mode} a GPU pool of {cfg.gpu_blocks - 1} blocks, too small "
-                              f"for one request of {cfg.max_len} tokens ({why}); raise --fit to at least {fit:g}")
+    (room for every request, or the smallest pool it runs with when that is larger). The error names the
+    smallest ``--fit`` that serves every mode asked for."""
+    short = {mode: why for mode in modes if (why := _probe(model, cfg, mode, cfg.gpu_blocks)) is not None}
+    if short:
+        need = {mode: _fewest_blocks(model, cfg, mode, cfg.gpu_blocks) for mode in short}
+        mode = max(need, key=need.__getitem__)
+        fit = math.ceil(100 * (need[mode] - 1) / cfg.pages_per_request) / 100
+        raise ConfigError(f"--fit {cfg.fit:g} gives a GPU pool of {cfg.gpu_blocks - 1} blocks, too small for one "
+                          f"request of {cfg.max_len} tokens in {', '.join(short)} ({mode}: {short[mode]}); raise "
+                          f"--fit to at least {fit:g}")
     if _probe(model, cfg, "resident", cfg.unlimited_blocks) is None:
         return cfg.unlimited_blocks
     return _fewest_blocks(model, cfg, "resident", cfg.unlimited_blocks)
 
 
+def _longest_request(cfg: DemoConfig) -> int:
+    """The longest request the model accepts (its exact indexer scores bound positions to a power of two)."""
+    bits = 0
+    while bits < 62:
+        try:
+            replace(cfg, prompt_len=2 ** (bits + 1), new_tokens=0).model_config()
+        except ConfigError:
+            break
+        bits += 1
+    return 2**bits if bits else 0
+
+
 def check(cfg: DemoConfig) -> ModelConfig:
     """What can be checked before the model is built: the flags together, the device, and memory."""
+    if not 0 < cfg.fit < float(U32_MAX):
+        raise ConfigError(f"--fit must be a positive number of requests below 2**32, got {cfg.fit}")
+    if not 0 <= cfg.shared_tokens <= cfg.prompt_len:
+        raise ConfigError(f"a prefix of {cfg.shared_tokens} shared tokens does not fit a {cfg.prompt_len}-token prompt")
     if cfg.index_share > cfg.layers:
         raise ConfigError(f"--index-share {cfg.index_share} is more than --layers {cfg.layers}: at most one indexer "
                           "per layer group")
     try:
         model = cfg.model_config()
     except ConfigError as exc:
-        raise ConfigError(f"--prompt-len + --new-tokens = {cfg.max_len:,} tokens: {exc}; lower them") from None
+        limit = _longest_request(cfg)
+        most = f"the demo model takes at most {limit:,}" if limit else "the demo model takes none"
+        raise ConfigError(f"--prompt-len + --new-tokens = {cfg.max_len:,} tokens, and {most} ({exc})") from None
     check_device(cfg.device)
     host, device = estimate_memory(cfg)
     advice = "lower --requests, --prompt-len, --new-tokens, --layers or --fit"
@@ -321,7 +342,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--requests", type=positive_int, default=d.requests, help=f"requests (default {d.requests})")
     p.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="prompt tokens of each request")
     p.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="tokens each request generates")
-    p.add_argument("--fit", type=positive_float, default=d.fit,
+    p.add_argument("--fit", type=float_range(0, U32_MAX, lo_open=True), default=d.fit,
                    help=f"requests the GPU pool holds fully resident (default {d.fit:g})")
     p.add_argument("--layers", type=positive_int, default=d.layers, help="sparse-attention layers")
     p.add_argument("--index-share", type=positive_int, default=d.index_share,

@@ -23,20 +23,26 @@ MAX_GIB = float(2**30)
 PLOT_FORMATS = ("png", "pdf", "svg")
 
 
+def _show(text: object) -> str:
+    """The value as an error message quotes it: a pasted screenful stays one short line."""
+    text = str(text)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
 def _int(text: str) -> int:
     try:
         return int(text.replace(",", "").replace("_", ""))
     except ValueError:  # also a string of more than 4,300 digits
-        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {_show(repr(text))}") from None
 
 
 def _float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {_show(repr(text))}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {_show(text)}")
     return value
 
 
@@ -46,7 +52,7 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = _int(text)
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must lie in [{lo:,}, {hi:,}], got {value:,}")
+            raise argparse.ArgumentTypeError(f"must lie in [{lo:,}, {hi:,}], got {_show(f'{value:,}')}")
         return value
 
     parse.__name__ = f"integer in [{lo}, {hi}]"
@@ -60,7 +66,7 @@ def float_range(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str
         value = _float(text)
         if value < lo or (lo_open and value == lo) or value > hi:
             left = "(" if lo_open else "["
-            raise argparse.ArgumentTypeError(f"must lie in {left}{lo:g}, {hi:g}], got {text}")
+            raise argparse.ArgumentTypeError(f"must lie in {left}{lo:g}, {hi:g}], got {_show(text)}")
         return value
 
     parse.__name__ = f"number in [{lo}, {hi}]"
@@ -77,7 +83,7 @@ positive_gib = float_range(0.0, MAX_GIB, lo_open=True)
 def positive_float(text: str) -> float:
     value = _float(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        raise argparse.ArgumentTypeError(f"must be positive, got {_show(text)}")
     return value
 
 
@@ -85,7 +91,8 @@ def positive_int_list(text: str) -> list[int]:
     """``1,8,16``: a comma-separated list of integers in ``[1, U32_MAX]``, repeats dropped."""
     parts = [p for p in text.replace(" ", "").split(",") if p]
     if not parts:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got "
+                                         f"{_show(repr(text))}")
     return list(dict.fromkeys(positive_int(p) for p in parts))
 
 
@@ -95,10 +102,11 @@ def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         names = [n for n in text.replace(" ", "").lower().split(",") if n]
         if not names:
-            raise argparse.ArgumentTypeError(f"expected some of {','.join(choices)}, got {text!r}: an empty run")
+            raise argparse.ArgumentTypeError(f"expected some of {','.join(choices)}, got {_show(repr(text))}: "
+                                             "an empty run")
         unknown = [n for n in names if n not in choices]
         if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: choose from "
+            raise argparse.ArgumentTypeError(f"unknown {_show(', '.join(map(repr, unknown)))}: choose from "
                                              f"{', '.join(choices)}")
         return tuple(dict.fromkeys(names))
 
@@ -110,7 +118,7 @@ def torch_device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N`` (whether that device exists is checked when the tool runs)."""
     value = text.strip().lower()
     if not re.fullmatch(r"cpu|cuda(:\d{1,4})?", value):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {_show(repr(text))}")
     return value
 
 

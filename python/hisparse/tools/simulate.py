@@ -169,7 +169,8 @@ class SimConfig:
             raise ConfigError(f"the last turn ({self.max_prompt() + self.output_tokens} tokens) exceeds "
                               f"max_model_len {self.max_model_len}")
         if self.speculative_tokens < 0 or not 1.0 <= self.accept_length <= self.speculative_tokens + 1:
-            raise ConfigError("accept_length must lie in [1, speculative_tokens + 1]")
+            raise ConfigError(f"accept_length must lie in [1, speculative_tokens + 1 = {self.speculative_tokens + 1}], "
+                              f"got {self.accept_length}")
 
     def prompt(self, turn: int) -> int:
         """Prompt of turn ``turn`` (0-based): the conversation so far plus the new user tokens."""
