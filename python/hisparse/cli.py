@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .errors import HiSparseError, InvariantError
 
@@ -31,7 +32,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     commands: dict[str, argparse.ArgumentParser]  # the top-level parser's, by name
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
