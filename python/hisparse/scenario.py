@@ -22,6 +22,7 @@ from ._core import ResidencyManager, StepPlan
 from .datapath import DataPath, Layout
 from .errors import CapacityError
 from .hooks import SchedulerHooks, WorkerHooks, WorkerStep
+from .tools.argtypes import seed
 
 
 def expected_rows(keys: torch.Tensor, positions: torch.Tensor, layer: int, row_bytes: int) -> torch.Tensor:
@@ -336,9 +337,8 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("scenario", help="a small serving run on the CPU path, checked byte for byte",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=0)
+    p = subparsers.add_parser("scenario", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=seed, default=0, help="seeds the prompts and the indexer stand-in (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the log")
     p.set_defaults(func=main)
 
