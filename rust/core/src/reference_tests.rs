@@ -159,9 +159,12 @@ fn hot_state_after(f: &mut Fixture) -> Option<(Vec<i32>, Vec<i32>)> {
     Some((f.hot_pos.clone(), f.hot_lru.clone()))
 }
 
+/// A named corruption of a fresh fixture and the status it must raise.
+type Corruption = (&'static str, fn(&mut Fixture), i32);
+
 #[test]
 fn corrupt_hot_state_fails_the_request_without_writes() {
-    let cases: [(&str, fn(&mut Fixture), i32); 6] = [
+    let cases: [Corruption; 6] = [
         ("hot block 8", |f| f.hot_blocks[1] = 8, STATUS_BAD_HOT),
         ("hot block 0 after the first", |f| f.hot_blocks[1] = 0, STATUS_BAD_HOT),
         ("LRU entry out of range", |f| f.hot_lru[2] = 13, STATUS_BAD_HOT),
