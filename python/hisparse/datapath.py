@@ -176,6 +176,11 @@ class Layout:
             raise InvalidArgumentError(f"row_bytes ({self.row_bytes}) must be a multiple of 16")
         if not self.layer_groups or sorted(set(self.layer_groups)) != list(range(max(self.layer_groups) + 1)):
             raise InvalidArgumentError("layer_groups must name every group from 0 up")
+        from .kernels.launch import check_datapath  # what a kernel launch would refuse, refused now
+
+        check_datapath(hot_rows=self.hot_rows, block_size=self.block_size, gpu_blocks=self.num_gpu_blocks,
+                       host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, row_bytes=self.row_bytes,
+                       batch_rows=self.max_running, layers=self.num_layers, groups=self.num_groups)
 
     @property
     def num_layers(self) -> int:

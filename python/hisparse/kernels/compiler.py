@@ -28,7 +28,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "copy": ("hisparse_gather", "hisparse_copy_rows", "hisparse_copy_blocks", "hisparse_replay"),
 }
 HEADERS = ("common.cuh",)
-OPTIONS = ("-std=c++17",)
+OPTIONS = ("-std=c++17", "-default-device")  # -default-device: generic lambdas in kernels are device code
 
 
 class CompileError(RuntimeError):
