@@ -109,7 +109,10 @@ def build(cuda_dir: Path = CUDA_DIR, opt: str = "-O2", folder: Path | None = Non
 
 
 class Harness:
-    """The loaded library: guarded buffers and launches."""
+    """The loaded library: guarded buffers and launches (a backend of ``cases.py``)."""
+
+    sm_count = 3  # few SMs: the copy kernels stride over their jobs
+    max_smem = 1 << 30  # launches are sized by each case's architecture
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -127,8 +130,9 @@ class Harness:
     def has_kernel(self, name: str) -> bool:
         return bool(self.lib.hs_has_kernel(name.encode()))
 
-    def tensor(self, like: torch.Tensor) -> torch.Tensor:
-        """A copy of the CPU tensor ``like`` in a guarded buffer (its neighbourhood detects stray writes)."""
+    def tensor(self, like: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """A copy of the CPU tensor ``like`` in a guarded buffer (its neighbourhood detects stray writes); device
+        and host memory are alike here."""
         nbytes = like.numel() * like.element_size()
         size = max(nbytes, 16)
         address = self.lib.hs_alloc(size)

@@ -1,6 +1,10 @@
-"""Cases for the kernels: random state and inputs (``make_case``, also used by the GPU tests), and the case kinds
-of the CPU harness, each of which runs the kernels' launches on the harness and the Rust reference on a copy,
-and compares every byte: outputs, state, status, counters, slabs and pools, and the guard zones of every buffer.
+"""Cases for the kernels: random state and inputs (``make_case``), and the case kinds, each of which runs the
+kernels' launches (the ``*_launches`` records of ``hisparse.kernels.ops``) on a backend and the Rust reference on
+a copy, and compares every byte: outputs, state, status, counters, slabs and pools, and, on the CPU harness, the
+guard zones of every buffer. A backend is the CPU harness (:class:`~kernel_harness.Harness`) or a CUDA device
+(:class:`CudaBackend`, which tests/test_kernels_gpu.py runs every kind on): ``tensor(like, host=False)`` copies a
+CPU tensor into its memory (``host``: a host pool, pinned on CUDA), ``run(launches, seed, preempt)``,
+``damaged()``, ``free()``, ``sm_count`` and ``max_smem``.
 
 Corrupt state (SPEC.md "Bad state and bad arguments") must give the same bytes and flags in both. A bad argument
 (a state row past S, a row past its slab) is refused by the reference and skipped by the kernel; there the
@@ -22,7 +26,6 @@ from hisparse.kernels import launch, ops
 from . import Harness
 
 STATE_KEYS = ("hot_pos", "hot_lru", "heat", "status", "counters")
-SM_COUNT = 3  # few SMs: copy kernels stride over their jobs
 SMEM_SM90 = launch.SHARED_MEMORY_PER_BLOCK["sm_90"]
 SMEM_SM120 = launch.SHARED_MEMORY_PER_BLOCK["sm_120"]
 
@@ -199,7 +202,30 @@ CORRUPTIONS = ("seq_len", "block", "hot_block", "lru_range", "lru_twice", "hot_p
 # ---------------------------------------------------------------------------------------------- comparisons
 
 
+class CudaBackend:
+    """The same launches on a CUDA device: tensors on the device (host pools pinned), launches through ops."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.device = torch.device("cuda", index)
+        dev = ops._device(index)
+        self.sm_count, self.max_smem = dev.sm_count, dev.max_smem
+
+    def tensor(self, like: torch.Tensor, host: bool = False) -> torch.Tensor:
+        return like.clone().pin_memory() if host else like.to(self.device)
+
+    def run(self, launches, seed: int, preempt: float) -> None:
+        ops._run(self.device.index, launches)
+        torch.cuda.synchronize(self.device)
+
+    def damaged(self) -> int:
+        return 0  # no guard zones on the device; every byte of every tensor is compared instead
+
+    def free(self) -> None:
+        pass
+
+
 def _differ(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    got = got.cpu()
     if torch.equal(got, want):
         return None
     bad = (got != want).nonzero()
@@ -232,8 +258,8 @@ class Device:
 
     def __init__(self, h: Harness, case: dict) -> None:
         self.h = h
-        self.t = {k: [h.tensor(x) for x in v] if isinstance(v, list) else h.tensor(v) if torch.is_tensor(v) else v
-                  for k, v in case.items()}
+        self.t = {k: [h.tensor(x, host=k == "host_layers") for x in v] if isinstance(v, list)
+                  else h.tensor(v) if torch.is_tensor(v) else v for k, v in case.items()}
 
     def layers(self, which: slice) -> tuple[int, int, int, int]:
         """(table address, count, gpu rows, host rows) of the layers in ``which``."""
@@ -262,18 +288,19 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
     t["miss_count"] = h.tensor(torch.randint(-5, 5 * K, (R,), dtype=torch.int32, generator=gen))
     L = len(case["gpu_layers"])
     first = L if resolve_layers is None else resolve_layers
+    max_smem = min(max_smem, h.max_smem)
     table, count, gpu_rows, host_rows = dev.layers(slice(0, first))
     state = {k: t[k] for k in ("topk", "row_state", "seq_lens", "block_table", "host_table", "hot_blocks",
                                *STATE_KEYS, "out", "miss_plan", "miss_count")}
     launches = ops.resolve_launches(**state, group=group, block_size=case["block_size"], layers=table,
                                     num_layers=count, row_bytes=case["gpu_layers"][0].shape[1], gpu_rows=gpu_rows,
                                     host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem,
-                                    sm_count=SM_COUNT)
+                                    sm_count=h.sm_count)
     if first < L:
         table, count, gpu_rows, host_rows = dev.layers(slice(first, L))
         launches += ops.replay_launches(miss_plan=t["miss_plan"], miss_count=t["miss_count"], layers=table,
                                         num_layers=count, row_bytes=case["gpu_layers"][0].shape[1],
-                                        gpu_rows=gpu_rows, host_rows=host_rows, sm_count=SM_COUNT)
+                                        gpu_rows=gpu_rows, host_rows=host_rows, sm_count=h.sm_count)
     h.run(launches, seed, preempt)
     _assert_intact(h)
     misses = int(ref["counters"][1] - case["counters"][1])
@@ -283,7 +310,7 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
     ref["counters"][2] -= misses * case["gpu_layers"][0].shape[1] * (L - first)
     assert_same(t, ref, ("out", *STATE_KEYS, "gpu_layers", "host_layers"))
     for k in ("topk", "row_state", "seq_lens", "block_table", "host_table", "hot_blocks"):
-        if not torch.equal(t[k], case[k]):
+        if not torch.equal(t[k].cpu(), case[k]):
             raise AssertionError(f"resolve wrote its input {k}")
 
 
@@ -331,7 +358,7 @@ def run_copy(h: Harness, case: dict, pairs: torch.Tensor, *, unit: int, to_host:
     table, count, gpu_rows, host_rows = dev.layers(slice(None))
     dev_pairs = h.tensor(pairs)
     common = dict(pairs=dev_pairs, layers=table, num_layers=count, row_bytes=rb, gpu_rows=gpu_rows,
-                  host_rows=host_rows, to_host=to_host, sm_count=SM_COUNT)
+                  host_rows=host_rows, to_host=to_host, sm_count=h.sm_count)
     if unit == 1:
         launches = ops.copy_rows_launches(**common)
     else:
@@ -349,7 +376,7 @@ def run_gather(h: Harness, case: dict, row_ids: torch.Tensor, *, seed: int, pree
     _core._ref_gather(_buf(valid), _buf(slab), rb, _buf(want))
     dev_ids, dev_slab = h.tensor(row_ids), h.tensor(slab)
     got = h.tensor(torch.full((*row_ids.shape, rb), 0xEE, dtype=torch.uint8))
-    h.run(ops.gather_launches(row_ids=dev_ids, slab=dev_slab, out=got, sm_count=SM_COUNT), seed, preempt)
+    h.run(ops.gather_launches(row_ids=dev_ids, slab=dev_slab, out=got, sm_count=h.sm_count), seed, preempt)
     _assert_intact(h)
     assert_same({"dense": got}, {"dense": want}, ("dense",))
 
@@ -374,7 +401,7 @@ def run_replay_plan(h: Harness, case: dict, plan: torch.Tensor, count: torch.Ten
     table, n, gpu_rows, host_rows = dev.layers(slice(None))
     launches = ops.replay_launches(miss_plan=h.tensor(plan), miss_count=h.tensor(count), layers=table,
                                    num_layers=n, row_bytes=rb, gpu_rows=gpu_rows, host_rows=host_rows,
-                                   sm_count=SM_COUNT)
+                                   sm_count=h.sm_count)
     h.run(launches, seed, preempt)
     _assert_intact(h)
     assert_same(dev.t, ref, ("gpu_layers", "host_layers"))
