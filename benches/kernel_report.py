@@ -21,8 +21,9 @@ def markdown(kernels: list[dict], shared: list[dict]) -> str:
         lines.append(f"| {name} | " + " | ".join(
             f"{cells[a]['registers']} regs, {cells[a]['spill_stores'] + cells[a]['spill_loads']} B spilled"
             for a in COMPILED_ARCHS) + " |")
-    lines += ["", "resolve's shared memory in KiB (static + dynamic), top_k 2048, 128 requests of `rows/req` batch rows "
-              "each; * = the table is smaller than the selection asks (the rest takes the exact windowed path)", "",
+    lines += ["", "resolve's shared memory in KiB (static + dynamic), top_k 2048, 128 requests of `rows/req` batch "
+              "rows each; * = the table is smaller than the selection asks (the rest takes the exact windowed path)",
+              "",
               "| H | rows/req | " + " | ".join(f"{a} (limit {launch.smem_limit(a) // 1024})" for a in COMPILED_ARCHS)
               + " |", "|---|---|" + "---|" * len(COMPILED_ARCHS)]
     for h in launch.TABLE_HOT_ROWS:
