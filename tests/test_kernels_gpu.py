@@ -207,6 +207,7 @@ def test_resolve_rejects_bad_inputs():
         ("group", 5, "group"),
         ("status", case["status"].cpu(), "cuda"),
         ("rows_per_request", 0, "rows_per_request"),
+        ("out", case["topk"], "overlap"),
     ]
     for key, value, message in bad:
         with pytest.raises(ValueError, match=message):

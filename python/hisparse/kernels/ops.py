@@ -176,6 +176,15 @@ def _cuda_device(name: str, t) -> torch.device:
     return t.device
 
 
+def _disjoint(**tensors: torch.Tensor) -> None:
+    """Refuses overlapping tensors: the kernel writes some of them while it still reads the others."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for name, t in tensors.items() if t.numel())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{a} and {b} overlap in memory")
+
+
 def _below_int32(**values: int) -> None:
     """The kernels index these with 32 bits."""
     for name, value in values.items():
@@ -410,6 +419,8 @@ def resolve(
     if miss_plan is None:  # scratch from the caching allocator, stream-ordered (and graph-safe)
         miss_plan = torch.empty(R * K, 2, dtype=torch.int64, device=device)
         miss_count = torch.empty(R, dtype=i32, device=device)
+    # resolve keeps its work in `out` and the plan while it still reads topk and row_state.
+    _disjoint(topk=topk, row_state=row_state, out=out, miss_plan=miss_plan, miss_count=miss_count)
     dev = _device(device.index)
     launches = resolve_launches(
         topk=topk, row_state=row_state, seq_lens=seq_lens, block_table=block_table, host_table=host_table,
