@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import math
 import threading
 from collections import OrderedDict
@@ -180,7 +181,7 @@ def _disjoint(**tensors: torch.Tensor) -> None:
     """Refuses overlapping tensors: the kernel writes some of them while it still reads the others."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
                    for name, t in tensors.items() if t.numel())
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise ValueError(f"{a} and {b} overlap in memory")
 
