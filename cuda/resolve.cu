@@ -458,7 +458,6 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
                         int* __restrict__ hot_lru, int G, int H) {
   HS_DYNAMIC_SHARED(u32, keys);
   __shared__ int warp_sums[32];
-  __shared__ int s_found, s_emptied;
 
   const u32 cap = 2 * INVALIDATE_BATCH;
   const int words = (H + 31) / 32;
@@ -472,33 +471,32 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
   if (n <= 0) return;
 
   for (int k = tid; k < words; k += nt) emptied[k] = 0;
-  if (tid == 0) s_emptied = 0;
+  bool any_emptied = false;
   for (int b0 = 0; b0 < n; b0 += INVALIDATE_BATCH) {
-    for (u32 k = tid; k < cap; k += nt) keys[k] = HS_NONE;
-    if (tid == 0) s_found = 0;
-    __syncthreads();
+    // Most CTAs find no pair of their row: they read the pairs and go on.
     const int b1 = min(n, b0 + INVALIDATE_BATCH);
+    bool mine = false;
+    for (int p = b0 + tid; p < b1 && !mine; p += nt) mine = pairs[2 * p] == r && pairs[2 * p + 1] >= 0;
+    if (!__syncthreads_or(mine)) continue;
+    for (u32 k = tid; k < cap; k += nt) keys[k] = HS_NONE;
+    __syncthreads();
     for (int p = b0 + tid; p < b1; p += nt) {
       const int pos = pairs[2 * p + 1];
-      if (pairs[2 * p] == r && pos >= 0) {
-        set_insert(keys, cap, pos);
-        s_found = 1;
-      }
+      if (pairs[2 * p] == r && pos >= 0) set_insert(keys, cap, pos);
     }
     __syncthreads();
-    if (s_found) {
-      for (int s = tid; s < H; s += nt) {
-        const int pos = hp[s];
-        if (pos >= 0 && set_contains(keys, cap, pos)) {
-          hp[s] = -1;
-          atomicOr(&emptied[s >> 5], 1u << (s & 31));
-          s_emptied = 1;
-        }
+    bool hit = false;
+    for (int s = tid; s < H; s += nt) {
+      const int pos = hp[s];
+      if (pos >= 0 && set_contains(keys, cap, pos)) {
+        hp[s] = -1;
+        atomicOr(&emptied[s >> 5], 1u << (s & 31));
+        hit = true;
       }
     }
-    __syncthreads();  // keys and s_found are reset next
+    any_emptied |= __syncthreads_or(hit);
   }
-  if (!s_emptied) return;
+  if (!any_emptied) return;
 
   // The LRU is rewritten only if it is a permutation; resolve flags it otherwise.
   for (int k = tid; k < words; k += nt) seen[k] = 0;
