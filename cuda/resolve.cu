@@ -27,16 +27,17 @@ __device__ __forceinline__ bool entry_holds(u64 entry, int pos) { return (u32)(e
 // Records `value` for `pos`, keeping the smallest value seen for it. Returns false without inserting when
 // `pos` needs a new entry and `*claimed` (entries in use) has reached `limit`. A thread tests the limit
 // before it claims, so at most limit + blockDim - 1 entries are ever claimed: with limit <= cap - blockDim
-// the table never fills and every probe ends.
+// the table never fills and every probe ends. Without `claimed` (no more positions to insert than `limit`,
+// the common case), nothing is counted: one shared counter for every insert would serialize them.
 __device__ bool table_insert_min(u64* tab, u32 cap, int pos, u32 value, int* claimed, int limit) {
   const u64 entry = table_entry(pos, value);
   for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     u64 cur = ((volatile u64*)tab)[h];
     if (cur == EMPTY_ENTRY) {
-      if (*(volatile int*)claimed >= limit) return false;
+      if (claimed != nullptr && *(volatile int*)claimed >= limit) return false;
       cur = atomicCAS(&tab[h], EMPTY_ENTRY, entry);
       if (cur == EMPTY_ENTRY) {
-        atomicAdd(claimed, 1);
+        if (claimed != nullptr) atomicAdd(claimed, 1);
         return true;
       }
     }
@@ -186,9 +187,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
   }
   __syncthreads();  // also publishes rows
+  int* claimed = n_rows * K > limit ? &s_claimed : nullptr;  // a selection larger than the table may fill it
   for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
     const int pos = position(gi, active);
-    if (pos >= 0 && !table_insert_min(tab, cap, pos, q, &s_claimed, limit)) s_full = 1;
+    if (pos >= 0 && !table_insert_min(tab, cap, pos, q, claimed, limit)) s_full = 1;
   });
   __syncthreads();
 

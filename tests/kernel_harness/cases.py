@@ -430,6 +430,9 @@ RESOLVE_KINDS: dict[str, dict] = {
                    "full_seq": True, "L": 1, "rb": 16},
     "wide_union_overflow": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "dup": 0.0, "full_seq": True,
                             "L": 1, "rb": 16},
+    # more selected elements than the hash table takes, but few enough distinct positions: counted inserts
+    "wide_selection_overlapping": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.3, "dup": 0.6,
+                                   "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1},
     # ... and a U too large for the hash table that fits the hot region: windowed lookups of U as well
     "wide_u": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.0, "dup": 0.0, "full_seq": True,
                "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1},
