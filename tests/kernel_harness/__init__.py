@@ -12,9 +12,17 @@ cases. It runs in ``make test`` and needs only g++.
 - ``run.py``: a suite of cases as a command, so that a kernel that faults takes down a subprocess, not pytest.
 - ``mutate.py``: the barrier-mutation check: each ``__syncthreads()`` removed in turn must make the suite fail.
 
+What it cannot see: the GPU's weak memory ordering (fibers share one coherent CPU memory, so a missing
+``volatile`` or fence goes unnoticed), races between CTAs (they run one after another), and speed. What it sees
+and CUDA does not report: a missing or misplaced barrier (garbage shared memory, randomized schedules), divergent
+barriers and collectives, and a write outside any buffer (guard pages and canaries around every buffer, shared
+memory included).
+
 Adding a kernel file (say ``cuda/plan.cu``): list it with its kernels in ``compiler.KERNELS`` (NVRTC needs that
-anyway), give ``ops.py`` a ``*_launches`` function, and add a case kind to ``cases.py`` that runs those launches
-here and compares the result with the reference; the build and the mutation check pick the file up by themselves.
+anyway) and in ``rust/python/src/lib.rs``'s embedded sources, give ``ops.py`` a ``*_launches`` function, and add a
+case kind to ``cases.py`` that runs those launches and compares the result with the reference. The build, the
+GPU tests (which run every kind on the device) and the mutation check pick the rest up by themselves; the
+mutation check fails until some kind catches the removal of each of the new file's barriers.
 """
 
 from __future__ import annotations
