@@ -30,4 +30,4 @@ test: build lint
 	$(PY) -m pytest -q
 
 bench: build
-	$(PY) benches/core_step.py
+	$(PY) benches/step_cost.py
