@@ -329,6 +329,11 @@ class Layout:
                 isinstance(g, bool) or not isinstance(g, int) for g in groups) or sorted(set(groups)) != list(
                 range(max(groups) + 1)):
             raise InvalidArgumentError(f"layer_groups must name every group from 0 up, not {groups!r}")
+        from .kernels.launch import check_datapath  # what a kernel launch would refuse, refused now
+
+        check_datapath(hot_rows=self.hot_rows, block_size=self.block_size, gpu_blocks=self.num_gpu_blocks,
+                       host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, row_bytes=self.row_bytes,
+                       batch_rows=self.max_running, layers=self.num_layers, groups=self.num_groups)
 
     @property
     def num_layers(self) -> int:
