@@ -305,7 +305,9 @@ class _PlanSections:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of one data path. ``layer_groups[l]`` is the index group of sparse layer ``l``."""
+    """Sizes of one data path. ``layer_groups[l]`` is the index group of sparse layer ``l``;
+    ``rows_per_request``: the batch rows one request resolves together (1 + speculative tokens), which sizes
+    resolve's hash table (more rows still resolve exactly, more slowly)."""
 
     num_gpu_blocks: int
     num_host_blocks: int
@@ -315,10 +317,11 @@ class Layout:
     hot_rows: int
     row_bytes: int
     layer_groups: tuple[int, ...] = (0,)
+    rows_per_request: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running",
-                     "hot_rows", "row_bytes"):
+                     "hot_rows", "row_bytes", "rows_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
@@ -333,7 +336,8 @@ class Layout:
 
         check_datapath(hot_rows=self.hot_rows, block_size=self.block_size, gpu_blocks=self.num_gpu_blocks,
                        host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, row_bytes=self.row_bytes,
-                       batch_rows=self.max_running, layers=self.num_layers, groups=self.num_groups)
+                       batch_rows=self.max_running * self.rows_per_request, rows_per_request=self.rows_per_request,
+                       layers=self.num_layers, groups=self.num_groups)
 
     @property
     def num_layers(self) -> int:
@@ -437,24 +441,27 @@ class DataPath:
         })
         self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
         self._cpu = dev.type == "cpu"
+        self._mover: tuple | None = None  # the side-stream page mover, built on the first CUDA apply
         self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
 
-    def apply(self, plan: _core.StepPlan) -> None:
+    def apply(self, plan: _core.StepPlan) -> torch.cuda.Event | None:
         """Applies a plan in SPEC.md's order (tables, hot regions, restores, then page copies to the host).
 
-        On CPU one Rust call does it all and the copies are done when it returns. On CUDA the plan's flat form
-        crosses once, through pinned memory, and torch scatters it on the current stream; nothing waits for
-        the device. Either way every entry is checked against the layout first: a plan from a manager sized
-        differently is refused before anything is written.
+        On CPU one Rust call does it all and the copies are done when it returns (returns None). On CUDA the
+        plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
+        page copies run as DMA on a side stream (``kernels.transfer.PageMover``): restores land before the next
+        forward, and the returned event (None without page copies) passes once the copies to the host are
+        durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
+        plan from a manager sized differently is refused before anything is written.
         """
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
         if self._cpu:
             self._apply_reference(plan)
-        else:
-            self._apply_torch(plan)
+            return None
+        return self._apply_torch(plan)
 
     def _worker_geometry(self) -> tuple[int, int, int, int, int]:
         return self._geometry
@@ -491,7 +498,7 @@ class DataPath:
         self._checked_apply = (version, key, buffers, state, gpu, host)
         return buffers
 
-    def _apply_torch(self, plan: _core.StepPlan) -> None:
+    def _apply_torch(self, plan: _core.StepPlan) -> torch.cuda.Event | None:
         """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""
         lay, st, dev = self.layout, self.state, self.device
         _core._check_plan(plan, self._worker_geometry(), lay.max_running, lay.num_gpu_blocks, lay.num_host_blocks)
@@ -528,9 +535,26 @@ class DataPath:
             st["hot_blocks"].index_copy_(0, rows, blocks)
             st["hot_pos"].index_fill_(0, rows, -1)
             st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
-        restores, copies = section("restores", 2), section("materialize", 2)
-        self._copy(restores, lay.block_size, to_host=False)
-        self._copy(copies, lay.block_size, to_host=True)
+        if dev.type == "cuda":
+            mover = self._page_mover()
+            mover.restore(plan.restores)
+            copies = [(gpu, host) for _, gpu, host in plan.materialize]
+            return mover.materialize(copies) if copies else None
+        # The same scatter on CPU tensors (how the tests compare it with the reference): copies in Rust.
+        self._copy(section("restores", 2), lay.block_size, to_host=False)
+        self._copy(section("materialize", 2), lay.block_size, to_host=True)
+        return None
+
+    def _page_mover(self):
+        """The side stream's page mover of this slab and pool (built again if either was replaced)."""
+        from .kernels.transfer import PageMover
+
+        key = (self.gpu, self.host)
+        cached = self._mover
+        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            cached = (key, PageMover(list(self.gpu), list(self.host), self.layout.block_size))
+            self._mover = cached
+        return cached[1]
 
     def _fresh_lru(self, n: int) -> torch.Tensor:
         lay = self.layout
@@ -597,7 +621,7 @@ class DataPath:
         if self.device.type == "cuda":
             from .kernels import ops
 
-            ops.resolve(**kwargs)
+            ops.resolve(**kwargs, rows_per_request=self.layout.rows_per_request)
         else:
             resolve_reference(**kwargs)
         return out

@@ -463,14 +463,10 @@ class WorkerHooks:
             raise CallOrderError(f"the plan of step {step.step} was applied already (last applied: {self._last})")
         if step.step != self._last + 1:
             raise CallOrderError(f"apply() of step {step.step} skips step {self._last + 1}: apply plans in order")
-        self.dp.apply(step.plan)
+        copied = self.dp.apply(step.plan)  # on CUDA, the event of the page copies to the host
         started = step.plan.transfer_ids
         if started:
-            event = None
-            if self._cuda:
-                event = torch.cuda.Event()
-                event.record()
-            self._in_flight.append(_InFlight(tuple(started), event))
+            self._in_flight.append(_InFlight(tuple(started), copied))
         self._step = step
         self._last = step.step
         return started
