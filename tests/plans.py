@@ -42,16 +42,19 @@ def plan(**fields) -> StepPlan:
     return StepPlan.from_bytes(encode(**fields))
 
 
-def heat(rankings: dict[int, list[tuple[int, int]]] | list[tuple[int, list[tuple[int, int]]]]) -> bytes:
-    """An encoded heat summary: request id -> [(heat, page), ...] (a dict, or a list of pairs to repeat an id),
-    written in the order given."""
+def heat(rankings, hottest=None) -> bytes:
+    """An encoded heat summary: request id -> coldest [(heat, page), ...] (a dict, or a list of pairs to repeat
+    an id), and ``hottest`` the same for the hottest pages (none by default), written in the order given."""
     rankings = list(rankings.items()) if isinstance(rankings, dict) else list(rankings)
-    offsets, pages, heats = [0], [], []
-    for _, entries in rankings:
-        heats += [h for h, _ in entries]
-        pages += [p for _, p in entries]
+    hot = dict(hottest or {})
+    offsets, cold, pages, heats = [0], [], [], []
+    for rid, entries in rankings:
+        cold.append(len(entries))
+        both = list(entries) + list(hot.get(rid, ()))
+        heats += [h for h, _ in both]
+        pages += [p for _, p in both]
         offsets.append(len(pages))
-    words = [int.from_bytes(b"HSHT", "little"), 1, len(rankings), len(pages), *offsets, *pages, *heats]
+    words = [int.from_bytes(b"HSHT", "little"), 2, len(rankings), len(pages), *offsets, *cold, *pages, *heats]
     if len(words) % 2:
         words.append(0)
     return struct.pack(f"<{len(words)}I", *words) + struct.pack(f"<{len(rankings)}Q", *(r for r, _ in rankings))

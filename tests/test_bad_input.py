@@ -18,7 +18,7 @@ import plans
 import pytest
 import torch
 
-from hisparse import DataPath, HiSparseError, Layout, ResidencyManager
+from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, _core
 from hisparse.hooks import StepResults, WorkerStep
 from hisparse.scenario import Driver
 
@@ -111,6 +111,26 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     for bad in [[1.5], [True], ["h"], [2**64], [-(2**63) - 1], "abc", 7, [[1]], list(range(30))]:
         add("admit", f"prefix_hashes={bad!r:.40}", lambda bad=bad: m.admit(99, 8, bad))
     add("admit", "an admitted id", lambda: m.admit(core, 8))
+
+    class Huge:
+        """A sequence that claims to be enormous: nothing may allocate for its length."""
+
+        def __len__(self):
+            return 2**60
+
+        def __iter__(self):
+            return iter(range(2**40))
+
+    for entry, call in [("complete", lambda: m.complete(range(2**40))), ("complete", lambda: m.complete(Huge())),
+                        ("plan_step", lambda: m.plan_step((core, 1) for _ in range(2**40))),
+                        ("admit", lambda: m.admit(99, 8, Huge())),
+                        ("apply_results", lambda: m.apply_results(completed=Huge()))]:
+        add(entry, "a sequence of 2**40 elements", call)
+    for what, kwargs in [("block_size 0", dict(block_size=0)),
+                         ("overflow", dict(seq_len=2**64 - 1, block_size=1, tail_pages=0, groups=1)),
+                         ("groups overflow", dict(seq_len=0, block_size=1, tail_pages=2**32 - 1, groups=2**32 - 1))]:
+        full = dict(seq_len=1, block_size=16, hot_rows=32, tail_pages=2, groups=1) | kwargs
+        add("steady_state_blocks", what, lambda full=full: _core.steady_state_blocks(**full))
     for entry, call in [("resume", m.resume), ("finish", m.finish), ("preempt", m.preempt),
                         ("request_info", m.request_info), ("block_table", m.block_table),
                         ("page_states", m.page_states), ("hot_blocks", m.hot_blocks)]:
@@ -181,6 +201,8 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("bad heat", replace(good, heat=b"junk")), ("heat str", replace(good, heat="x")),
         ("negative hits", replace(good, hits=-1)), ("float misses", replace(good, misses=1.5)),
         ("bool bytes", replace(good, h2d_bytes=True)), ("completed floats", replace(good, completed=(1.0,))),
+        ("step a tensor", replace(good, step=torch.tensor([step.step, step.step]))),
+        ("step a float", replace(good, step=float(step.step))),
     ]:
         add("SchedulerHooks.apply_results", what, lambda bad=bad: sched.apply_results(bad))
 
@@ -188,6 +210,11 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     for what, bad in [("not a step", None), ("a plan", step.plan), ("again", step),
                       ("next while open", WorkerStep(step.step + 1, step.plan, step.request_ids))]:
         add("WorkerHooks.apply", what, lambda bad=bad: worker.apply(bad))
+    for what, args in [("no request ids", (step.step, step.plan)), ("step as str", ("1", step.plan, step.request_ids)),
+                       ("no plan", (1, None, ())), ("negative step", (-1, step.plan, step.request_ids)),
+                       ("ids not str", (step.step, step.plan, tuple(range(len(step.request_ids))))),
+                       ("one id too many", (step.step, step.plan, (*step.request_ids, "x")))]:
+        add("WorkerStep()", what, lambda args=args: WorkerStep(*args))
     pos = torch.tensor([40 + 24])  # request 0 writes position 64 in the open step
     for what, call in [
         ("unknown request", lambda: worker.token_rows("nobody", pos)),
@@ -223,6 +250,7 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("rows of two", lambda: worker.resolve(topk, torch.tensor([0, 1], dtype=torch.int32))),
         ("unknown name", lambda: worker.resolve(topk, ["nobody"])),
         ("not a tensor", lambda: worker.resolve([[0] * TOP_K], row)),
+        ("complex topk", lambda: worker.resolve(topk.to(torch.complex64), row)),
     ]:
         add("WorkerHooks.resolve", what, call)
     for what, call in [
@@ -242,7 +270,8 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     ]:
         add("WorkerHooks.gather", what, call)
     for what, kwargs in [("interval 0", dict(heat_interval=0)), ("interval 1.5", dict(heat_interval=1.5)),
-                         ("candidates -1", dict(heat_candidates=-1)), ("candidates True", dict(heat_candidates=True))]:
+                         ("coldest -1", dict(heat_coldest=-1)), ("hottest True", dict(heat_hottest=True)),
+                         ("coldest 2**24", dict(heat_coldest=2**24))]:
         add("WorkerHooks()", what, lambda kwargs=kwargs: type(worker)(dp, **kwargs))
     add("WorkerHooks()", "not a DataPath", lambda: type(worker)(None))
 
@@ -268,8 +297,18 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("not resident", lambda: dp.token_rows(5, torch.tensor([0]))),
     ]:
         add("DataPath.token_rows", what, call)
-    for bad in [0, -1, 1.5, True, 2**31, "8", None]:
-        add("DataPath.heat_summary", f"candidates={bad!r}", lambda bad=bad: dp.heat_summary(bad))
+    for bad in [-1, 1.5, True, 2**24, "8", None]:
+        add("DataPath.heat_summary", f"coldest={bad!r}", lambda bad=bad: dp.heat_summary(bad))
+        add("DataPath.heat_summary", f"hottest={bad!r}", lambda bad=bad: dp.heat_summary(8, bad))
+    add("DataPath.copy_blocks", "to_host 'no'", lambda: dp.copy_blocks([(1, 1)], to_host="no"))
+    add("DataPath.copy_blocks", "a restore into block 0", lambda: dp.copy_blocks([(0, 1)], to_host=False))
+    for what, args in [("no layout", (None,)), ("bogus device", (LAYOUT, "bogus")), ("meta", (LAYOUT, "meta")),
+                       ("cuda 99", (LAYOUT, "cuda:99")), ("device 5", (LAYOUT, 5.5))]:
+        add("DataPath()", what, lambda args=args: DataPath(*args))
+    for what, gpu, host in [("gpu 5", 5, dp.host), ("two layers of three", list(dp.gpu[:2]), dp.host),
+                            ("host a list", dp.gpu, [dp.host]), ("host float", dp.gpu, dp.host.float()),
+                            ("gpu the host", dp.host, dp.host)]:
+        add("WorkerHooks.register", what, lambda gpu=gpu, host=host: type(worker).register(LAYOUT, gpu, host))
     for what, plan in [("not a plan", None), ("bytes", step.plan.to_bytes()),
                        ("short", plans.plan(missing_blocks=1)), ("row 6", plans.plan(cleared_rows=[6])),
                        ("block 40", plans.plan(restores=[(40, 1)]))]:

@@ -384,13 +384,14 @@ def test_the_device_path_of_heat_summary_equals_the_reference():
     other = filled()
     for name, t in ref.state.items():
         other.state[name].copy_(t)
-    for candidates in (3, 100):
-        want, got = ref.heat_summary(candidates), other._heat_summary_torch(candidates)
+    for coldest, hottest in ((3, 2), (100, 0), (0, 5), (4, 100)):
+        want, got = ref.heat_summary(coldest, hottest), other._heat_summary_torch(coldest, hottest)
         assert _core.decode_heat_summary(got) == _core.decode_heat_summary(want)
         assert torch.equal(ref.state["heat"], other.state["heat"])
-    ranked = dict(_core.decode_heat_summary(ref.heat_summary(100)))
+    ranked = {rid: (cold, hot) for rid, cold, hot in _core.decode_heat_summary(ref.heat_summary(100, 4))}
     assert set(ranked) == {7, 11, 12, 2**64 - 1}  # the rows of VALID and the two above
-    assert [page for _, page in ranked[11]] == sorted(p for p in range(13) if p % 3)  # heat decayed to 0 by now
+    assert [page for _, page in ranked[11][0]] == sorted(p for p in range(13) if p % 3)  # heat decayed to 0
+    assert ranked[11][1] == []  # all 8 releasable pages are among the coldest: none is left to be hottest
 
 
 def test_apply_checks_again_after_a_tensor_is_replaced():

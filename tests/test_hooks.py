@@ -143,7 +143,7 @@ def test_a_loop_reads_back_every_byte_through_the_hooks():
                     assert torch.equal(dense, content(rid, pos, layer)), (rid, start, layer)
     results = worker.end_step()
     assert results.step == step.step + 1
-    summary = dict(_core.decode_heat_summary(results.heat))
+    summary = {rid: cold for rid, cold, _ in _core.decode_heat_summary(results.heat)}
     assert set(summary) == {sched.core_id(rid) for rid in ids}  # every running request is ranked
     sched.apply_results(results)
     m = sched.metrics()
@@ -215,6 +215,7 @@ def test_what_crosses_between_the_halves_pickles():
 
 def test_heat_summaries_come_every_interval_and_the_counts_halve():
     sched, worker = pair(heat_interval=3)
+    worker.heat_coldest, worker.heat_hottest = 3, 2
     sched.admit("a", 64)
     heats = []
     for n in (64, 1, 1, 1, 1, 1):
@@ -224,14 +225,15 @@ def test_heat_summaries_come_every_interval_and_the_counts_halve():
         results = worker.end_step()
         heats.append(results.heat)
         sched.apply_results(results)
-    assert [h is not None for h in heats] == [False, False, True, False, False, True]
+    # Summaries come early (steps 1 and 2: powers of two below the interval), then every 3 steps.
+    assert [h is not None for h in heats] == [True, True, True, False, False, True]
     row = sched.request_info("a")["row"]
-    # Pages 0 and 1 gained 8 per step; a summary halves: (8 + 8 + 8) // 2 = 12, then (12 + 24) // 2 = 18.
-    assert worker.dp.state["heat"][row, :3].tolist() == [18, 18, 0]
-    (rid, ranking), = _core.decode_heat_summary(heats[-1])
+    # Pages 0 and 1 gain 8 per step and halve at each summary: 8 -> 4, 12 -> 6, 14 -> 7, 15, 23, 31 -> 15.
+    assert worker.dp.state["heat"][row, :3].tolist() == [15, 15, 0]
+    (rid, coldest, hottest), = _core.decode_heat_summary(heats[-1])
     assert rid == sched.core_id("a")
-    pages = [page for _, page in ranking]
-    assert pages[: len(pages) - 2] == sorted(set(pages) - {0, 1}) and set(pages[-2:]) == {0, 1}
+    # Six releasable pages (eight, less the tail of two): the three coldest never selected, pages 0 and 1 hottest.
+    assert coldest == [(0, 2), (0, 3), (0, 4)] and hottest == [(31, 0), (31, 1)]
 
 
 def test_rows_admitted_from_the_host_serve_their_own_request_before_they_are_scheduled():
@@ -253,6 +255,6 @@ def test_rows_admitted_from_the_host_serve_their_own_request_before_they_are_sch
     for rid in (1, 2):
         assert d.admit(rid, 41, family=1, shared_tokens=40).cached_tokens == 40
     d.step([(1, 1)])  # request 2 is not scheduled, yet its row has a length
-    summary = dict(_core.decode_heat_summary(d.dp.heat_summary(8)))
+    summary = {rid: cold for rid, cold, _ in _core.decode_heat_summary(d.dp.heat_summary(8))}
     assert set(summary) == {d.core(1), d.core(2)}
     d.close()

@@ -47,8 +47,8 @@ class StepPlan:
     @property
     def cleared_rows(self) -> list[int]: ...
     @property
-    def seq_lens(self) -> list[tuple[int, int]]:
-        """(row, seq_len)"""
+    def seq_lens(self) -> list[tuple[int, int, int]]:
+        """(row, seq_len, request_id): a row's length after the step and the request it serves."""
     @property
     def table_updates(self) -> list[tuple[int, int, int, int, bool]]:
         """(row, page, gpu_block or 0, host_block or -1, releasable)"""
@@ -66,6 +66,8 @@ class StepPlan:
     @property
     def scheduled(self) -> list[tuple[int, int, int, int]]:
         """(request_id, row, start, new_tokens) per scheduled request, in the order given to ``plan_step``."""
+    @property
+    def num_scheduled(self) -> int: ...
     @property
     def rows(self) -> list[int]:
         """The state row of each scheduled request, in order."""
@@ -152,8 +154,11 @@ class ResidencyManager:
 
 def steady_state_blocks(*, seq_len: Int, block_size: Int, hot_rows: Int, tail_pages: Int, groups: Int) -> int: ...
 def kernel_sources() -> list[tuple[str, str]]: ...
-def decode_heat_summary(data: bytes | bytearray) -> list[tuple[int, list[tuple[int, int]]]]:
-    """(request_id, [(heat, page), ...] coldest first) per request of an encoded heat summary."""
+def decode_heat_summary(
+    data: bytes | bytearray,
+) -> list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]]:
+    """(request_id, coldest [(heat, page), ...], hottest [...]) per request of an encoded heat summary, each part
+    in ascending (heat, page) order."""
 
 # The CPU reference over raw (address, length) buffers; ``hisparse.datapath`` checks every tensor first.
 def _ref_resolve(
@@ -172,15 +177,20 @@ def _ref_copy(
     pairs: Buf, unit: int, row_bytes: int, to_host: bool, gpu_layers: Sequence[Buf], host_layers: Sequence[Buf]
 ) -> None: ...
 def _ref_invalidate(geometry: tuple[int, int, int, int, int], hot_pos: Buf, hot_lru: Buf, pairs: Buf) -> None: ...
-def _ref_apply(
-    plan: StepPlan,
-    geometry: tuple[int, int, int, int, int],
-    state: Sequence[Buf],
-    gpu_layers: Sequence[Buf],
-    host_layers: Sequence[Buf],
-) -> None: ...
-def _ref_heat_summary(tables: Sequence[Buf], pages: int, block_size: int, candidates: int) -> bytes: ...
-def _encode_heat_summary(bufs: Sequence[Buf], pages: int, k: int) -> bytes: ...
+class ApplyBuffers:
+    """The checked buffers ``_ref_apply`` writes, kept across steps by ``DataPath``."""
+
+    def __init__(
+        self,
+        geometry: tuple[int, int, int, int, int],
+        state: Sequence[Buf],
+        gpu: Sequence[Buf],
+        host: Sequence[Buf],
+    ) -> None: ...
+
+def _ref_apply(plan: StepPlan, buffers: ApplyBuffers) -> None: ...
+def _ref_heat_summary(tables: Sequence[Buf], pages: int, block_size: int, coldest: int, hottest: int) -> bytes: ...
+def _encode_heat_summary(bufs: Sequence[Buf], pages: int, coldest: int, hottest: int) -> bytes: ...
 def _check_plan(
     plan: StepPlan, geometry: tuple[int, int, int, int, int], rows: int, gpu_blocks: int, host_blocks: int
 ) -> None: ...

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _core
-from .errors import InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError
 
 #: The resolver's state (cuda/SPEC.md), in the order ``resolve`` takes it.
 RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_lru", "heat", "status",
@@ -151,6 +151,19 @@ def resolve_reference(
     )
 
 
+def _device(device: object) -> torch.device:
+    """``cpu`` or an available CUDA device."""
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device must be 'cpu' or a CUDA device, not {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"a data path lives on the CPU or a CUDA device, not {dev.type!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"{dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    return dev
+
+
 def _describe(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {v.dtype} tensor of shape {list(v.shape)}"
@@ -240,11 +253,12 @@ class HeatSummaryInFlight:
         self._encoded = encoded
         self._host: tuple[torch.Tensor, ...] = ()
         self._event = None
-        self._shape = (0, 0)
+        self._shape = (0, 0, 0)
 
     @classmethod
-    def copy_back(cls, tensors: tuple[torch.Tensor, ...], pages: int, k: int) -> HeatSummaryInFlight:
-        """Copies the ranked keys, counts, row requests and row lengths to pinned memory without waiting."""
+    def copy_back(cls, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int, int]) -> HeatSummaryInFlight:
+        """Copies the ranked keys and counts (coldest, hottest), row requests and row lengths to pinned memory
+        without waiting; ``shape`` is (pages, coldest, hottest)."""
         out = cls()
         device = tensors[0].device
         pin = device.type == "cuda"
@@ -254,7 +268,7 @@ class HeatSummaryInFlight:
         if pin:
             out._event = torch.cuda.Event()
             out._event.record()
-        out._shape = (pages, k)
+        out._shape = shape
         return out
 
     def ready(self) -> bool:
@@ -264,7 +278,7 @@ class HeatSummaryInFlight:
         if self._encoded is None:
             if self._event is not None:
                 self._event.synchronize()
-            names = ("keys", "counts", "row_request", "seq_lens")
+            names = ("cold_keys", "cold_counts", "hot_keys", "hot_counts", "row_request", "seq_lens")
             bufs = [_buf(t, name, t.dtype) for t, name in zip(self._host, names, strict=True)]
             self._encoded = _core._encode_heat_summary(bufs, *self._shape)
             self._host = ()
@@ -320,6 +334,8 @@ class Layout:
     rows_per_request: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_groups, list):  # frozen, so kept as a tuple (a list would make it unhashable)
+            object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
         for name in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running",
                      "hot_rows", "row_bytes", "rows_per_request"):
             value = getattr(self, name)
@@ -371,6 +387,8 @@ def _adopt(layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: tor
     if isinstance(gpu, torch.Tensor):
         checks = [("gpu", gpu, (layout.num_layers, rows, rb))]
     else:
+        if not isinstance(gpu, (list, tuple)):
+            raise InvalidArgumentError(f"gpu must be a tensor or a list of layer tensors, not {type(gpu).__name__}")
         if len(gpu) != layout.num_layers:
             raise InvalidArgumentError(f"give {layout.num_layers} layer tensors, not {len(gpu)}")
         checks = [(f"gpu layer {i}", t, (rows, rb)) for i, t in enumerate(gpu)]
@@ -410,10 +428,12 @@ class DataPath:
         gpu: torch.Tensor | Sequence[torch.Tensor] | None = None,
         host: torch.Tensor | None = None,
     ):
+        if not isinstance(layout, Layout):
+            raise InvalidArgumentError(f"layout must be a Layout, not {type(layout).__name__}")
         if (gpu is None) != (host is None):
             raise InvalidArgumentError("adopt both the slab and the host pool, or neither")
         self.layout = layout
-        self.device = _adopt(layout, gpu, host) if gpu is not None else torch.device(device)
+        self.device = _adopt(layout, gpu, host) if gpu is not None else _device(device)
         lay, dev = layout, self.device
         s, p, g, h = lay.max_running, lay.max_pages, lay.num_groups, lay.hot_rows
         i32 = dict(dtype=torch.int32, device=dev)
@@ -560,30 +580,33 @@ class DataPath:
         lay = self.layout
         return torch.arange(lay.hot_rows, dtype=torch.int32, device=self.device).expand(n, lay.num_groups, -1)
 
-    def heat_summary(self, candidates: int = 128) -> bytes:
-        """The ``candidates`` coldest releasable pages of every running row, coldest first, encoded for
+    def heat_summary(self, coldest: int = 128, hottest: int = 32) -> bytes:
+        """The ``coldest`` coldest and the ``hottest`` hottest releasable pages of every running row, encoded for
         :meth:`ResidencyManager.apply_results`; then every count of those rows is halved (``heat.rs`` gives the
         decay rule). One pass over the heat table; nothing per page in Python. On a device this waits for the
         ranking; :meth:`start_heat_summary` does not."""
-        return self.start_heat_summary(candidates).take()
+        return self.start_heat_summary(coldest, hottest).take()
 
-    def start_heat_summary(self, candidates: int = 128) -> HeatSummaryInFlight:
+    def start_heat_summary(self, coldest: int = 128, hottest: int = 32) -> HeatSummaryInFlight:
         """Starts a heat summary (and the decay): on CPU it is done at once; on a device the ranking is queued
         on the current stream and copied back to pinned memory, ready once its event has passed."""
-        if isinstance(candidates, bool) or not isinstance(candidates, int) or not 0 < candidates < 2**31:
-            raise InvalidArgumentError(f"candidates must be a positive integer, not {candidates!r}")
+        for name, value in (("coldest", coldest), ("hottest", hottest)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**24:
+                raise InvalidArgumentError(f"{name} must be an integer in 0..2**24, not {value!r}")
         lay = self.layout
-        if self.device.type == "cpu":
-            tables = [_buf(self.state[name], name, _DTYPES.get(name, torch.int32)) for name in HEAT_FIELDS]
-            return HeatSummaryInFlight(_core._ref_heat_summary(tables, lay.max_pages, lay.block_size, candidates))
-        return self._rank_heat_torch(candidates)
+        if self._cpu:
+            tables = {name: self.state[name] for name in HEAT_FIELDS}
+            bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in tables.items()]
+            _check_disjoint({"heat": tables["heat"]}, {k: v for k, v in tables.items() if k != "heat"})
+            return HeatSummaryInFlight(_core._ref_heat_summary(bufs, lay.max_pages, lay.block_size, coldest, hottest))
+        return self._rank_heat_torch(coldest, hottest)
 
-    def _heat_summary_torch(self, candidates: int) -> bytes:
+    def _heat_summary_torch(self, coldest: int = 128, hottest: int = 32) -> bytes:
         """The device path of ``heat_summary``, waiting for it (tests run it on CPU tensors)."""
-        return self._rank_heat_torch(candidates).take()
+        return self._rank_heat_torch(coldest, hottest).take()
 
-    def _rank_heat_torch(self, candidates: int) -> HeatSummaryInFlight:
-        """Ranks on the device; one copy of [S, candidates] keys (and the rows' requests) back to the host."""
+    def _rank_heat_torch(self, coldest: int, hottest: int) -> HeatSummaryInFlight:
+        """Ranks on the device; one copy of [S, coldest + hottest] keys (and the rows' requests) back."""
         lay, st = self.layout, self.state
         p = lay.max_pages
         pages = torch.arange(p, device=self.device)
@@ -591,13 +614,16 @@ class DataPath:
         running = st["seq_lens"] > 0
         eligible = (st["releasable"] != 0) & (pages[None, :] < used[:, None]) & running[:, None]
         heat = st["heat"].clamp(min=0).to(torch.int64)
-        # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible last.
-        keys = torch.where(eligible, heat * p + pages[None, :], torch.iinfo(torch.int64).max)
-        k = min(candidates, p)
-        ranked = torch.topk(keys, k, dim=1, largest=False, sorted=True).values
-        count = eligible.sum(dim=1).clamp(max=k)
+        # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible pages
+        # rank past either end. The hottest that are also among the coldest are dropped on the host.
+        key = heat * p + pages[None, :]
+        kc, kh = min(coldest, p), min(hottest, p)
+        cold = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).max), kc, dim=1, largest=False).values
+        hot = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).min), kh, dim=1).values
+        n = eligible.sum(dim=1)
         st["heat"].copy_(torch.where(running[:, None], st["heat"].clamp(min=0) >> 1, st["heat"]))
-        return HeatSummaryInFlight.copy_back((ranked, count, st["row_request"], st["seq_lens"]), p, k)
+        tensors = (cold, n.clamp(max=kc), hot, n.clamp(max=kh), st["row_request"], st["seq_lens"])
+        return HeatSummaryInFlight.copy_back(tensors, (p, kc, kh))
 
     # ------------------------------------------------------------------ the kernels
 
@@ -668,10 +694,14 @@ class DataPath:
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
         """Whole pages, every layer: materialize (``to_host``) or restore. ``pairs``: (GPU block, host block),
-        destinations distinct."""
+        destinations distinct; a restore never writes the null block 0."""
+        if not isinstance(to_host, bool):
+            raise InvalidArgumentError(f"to_host must be True or False, not {to_host!r}")
         lay = self.layout
         t = _pairs(pairs, "pairs", (lay.num_gpu_blocks, lay.num_host_blocks), distinct=1 if to_host else 0)
-        self._copy(t, lay.block_size, bool(to_host))
+        if not to_host and bool((t[:, 0] == 0).any()):
+            raise InvalidArgumentError("a restore into the null block 0: nothing may write it")
+        self._copy(t, lay.block_size, to_host)
 
     def mirror(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies written rows (GPU row, host row) to the host pool, every layer; host rows distinct."""

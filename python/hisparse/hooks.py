@@ -74,6 +74,10 @@ __all__ = [
 ]
 
 
+#: Integer dtypes whose every value fits in int32.
+_NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+
+
 class CallOrderError(InvalidArgumentError):
     """A hook was called out of the documented per-step order; nothing changed."""
 
@@ -104,6 +108,29 @@ class WorkerStep:
     step: int
     plan: StepPlan
     request_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.step) is not int or self.step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, not {self.step!r}")
+        if not isinstance(self.plan, StepPlan):
+            raise InvalidArgumentError(f"plan must be a StepPlan, not {type(self.plan).__name__}")
+        ids = self.request_ids
+        if not isinstance(ids, tuple):
+            ids = tuple(ids) if isinstance(ids, list) else ids
+            object.__setattr__(self, "request_ids", ids)
+        if not isinstance(ids, tuple) or len(ids) != self.plan.num_scheduled or not all(
+                type(rid) is str for rid in ids):
+            raise InvalidArgumentError(
+                f"request_ids must name the plan's {self.plan.num_scheduled} scheduled requests with strings"
+            )
+
+    def __getstate__(self) -> dict:
+        """What crosses processes: the fields, not the views built from them on demand."""
+        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def ok(self) -> bool:
@@ -291,6 +318,8 @@ class SchedulerHooks:
         copies, and the heat summary. A refused report changed nothing; the step still waits for its results."""
         if not isinstance(results, StepResults):
             raise InvalidArgumentError(f"apply_results() takes StepResults, not {type(results).__name__}")
+        if type(results.step) is not int:
+            raise InvalidArgumentError(f"results.step must be an int, not {type(results.step).__name__}")
         if self._outstanding is None:
             raise CallOrderError(f"apply_results() for step {results.step}, but no step is waiting for results")
         if results.step != self._outstanding:
@@ -392,19 +421,22 @@ class WorkerHooks:
     """The worker half: the KV slab and host pool, the step plan before the forward, ``resolve`` and
     ``gather`` during attention, and the step's results after it.
 
-    ``heat_interval``: steps between heat summaries (and halvings of the counts); ``heat_candidates``: the
-    coldest releasable pages each summary reports per request.
+    ``heat_interval``: steps between heat summaries (and halvings of the counts; the first ones come sooner,
+    at steps 1, 2, 4, ...); ``heat_coldest`` / ``heat_hottest``: the coldest and hottest releasable pages each
+    summary reports per request (the policy releases the coldest first and the hottest last).
     """
 
-    def __init__(self, datapath: DataPath, *, heat_interval: int = 32, heat_candidates: int = 128):
+    def __init__(self, datapath: DataPath, *, heat_interval: int = 32, heat_coldest: int = 128,
+                 heat_hottest: int = 32):
         if not isinstance(datapath, DataPath):
             raise InvalidArgumentError(f"datapath must be a DataPath, not {type(datapath).__name__}")
-        for name, value in (("heat_interval", heat_interval), ("heat_candidates", heat_candidates)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
-                raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
+        for name, value, low in (("heat_interval", heat_interval, 1), ("heat_coldest", heat_coldest, 0),
+                                 ("heat_hottest", heat_hottest, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**24:
+                raise InvalidArgumentError(f"{name} must be an integer in {low}..2**24, not {value!r}")
         self.dp = datapath
         self._cuda = datapath.device.type == "cuda"
-        self.heat_interval, self.heat_candidates = heat_interval, heat_candidates
+        self.heat_interval, self.heat_coldest, self.heat_hottest = heat_interval, heat_coldest, heat_hottest
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
         self._in_flight: list[_InFlight] = []
@@ -519,7 +551,7 @@ class WorkerHooks:
                 rows.dim() != 1:
             raise InvalidArgumentError(f"rows must be a 1-D integer tensor, not {rows.dtype} {list(rows.shape)}")
         s = self.layout.max_running
-        rows = rows.to(device=self.device)
+        rows = rows.to(device=self.device, dtype=torch.int64)
         if self.device.type == "cpu":
             if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= s):
                 raise InvalidArgumentError(f"rows must be state rows in -1..{s - 1}")
@@ -534,9 +566,10 @@ class WorkerHooks:
         if not isinstance(topk, torch.Tensor) or topk.dtype.is_floating_point or topk.dtype in (
                 torch.bool, torch.complex64, torch.complex128):
             raise InvalidArgumentError(f"topk must be an integer tensor, not {topk!r}")
-        if topk.dtype != torch.int32:
-            topk = topk.clamp(-1, 2**31 - 1).to(torch.int32)
-        return topk.contiguous()
+        if topk.dtype in _NARROW_INTS:  # every value fits: nothing to clamp
+            return topk.to(torch.int32).contiguous()
+        # uint64 beyond 2**63 turns negative in int64: a pad, never another position.
+        return topk.to(torch.int64).clamp(-1, 2**31 - 1).to(torch.int32).contiguous()
 
     def resident(self, rows: torch.Tensor | Sequence[str | None], topk: torch.Tensor) -> torch.Tensor:
         """Which positions of ``topk`` [batch rows, top_k] (of state ``rows`` [batch rows]) are on the GPU as of
@@ -581,6 +614,11 @@ class WorkerHooks:
         step); every ``heat_interval`` steps a heat summary and the resolver's counters (``flush``: the counters
         now, e.g. at the end of a run). Never waits for the device."""
         step = self._need_step("end_step()")
+        # Every interval, and sooner at the start (steps 1, 2, 4...), when a worker has nothing ranked yet.
+        n = step.step
+        due = n % self.heat_interval == 0 or (n < self.heat_interval and not n & (n - 1))
+        if due:  # first: if it refuses, nothing below has been taken yet
+            self._summaries.append(self.dp.start_heat_summary(self.heat_coldest, self.heat_hottest))
         if not self._cuda:  # copies on CPU are done when apply() returns
             completed = tuple(t for f in self._in_flight for t in f.transfers)
             self._in_flight = []
@@ -588,14 +626,12 @@ class WorkerHooks:
             finished = [f.done() for f in self._in_flight]  # one query each: an event may pass meanwhile
             completed = tuple(t for f, ok in zip(self._in_flight, finished, strict=True) if ok for t in f.transfers)
             self._in_flight = [f for f, ok in zip(self._in_flight, finished, strict=True) if not ok]
-        if step.step % self.heat_interval == 0:
-            self._summaries.append(self.dp.start_heat_summary(self.heat_candidates))
         # A summary goes out once it reached the host (on CPU: now); a later one replaces an earlier one.
         heat = None
         while self._summaries and self._summaries[0].ready():
             heat = self._summaries.pop(0).take()
         self._step = None
-        if step.step % self.heat_interval and not flush:
+        if not due and not flush:
             return StepResults(step.step, completed, (), heat)
         hits, misses, h2d = self._counters.take(self.dp.state["counters"])
         return StepResults(step.step, completed, (), heat, hits, misses, h2d)

@@ -101,7 +101,9 @@ impl Config {
     /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
     pub fn min_gpu_footprint(&self) -> u32 {
         let hot_rows = if self.policy.tiers() { self.hot_rows } else { 0 };
-        steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1) as u32
+        // A zero block size is refused by validate(); until then, count it as no footprint.
+        steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1)
+            .map_or(0, |b| b.min(u32::MAX as u64) as u32)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -274,9 +276,11 @@ pub fn steady_state_blocks(
     hot_rows: u32,
     tail_pages: u32,
     groups: u32,
-) -> u64 {
-    let bs = block_size.max(1) as u64;
-    seq_len.div_ceil(bs) + groups as u64 * (tail_pages as u64 + (hot_rows as u64).div_ceil(bs))
+) -> Option<u64> {
+    let bs = block_size as u64;
+    let per_group = (tail_pages as u64)
+        .checked_add((hot_rows as u64).checked_div(bs)? + (hot_rows as u64 % bs != 0) as u64)?;
+    seq_len.div_ceil(bs).checked_add((groups as u64).checked_mul(per_group)?)
 }
 
 #[cfg(test)]

@@ -111,9 +111,26 @@ fn sequence<'py>(v: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, pyo3:
     v.try_iter().map_err(|_| invalid(format!("{name} must be a sequence, not {}", type_name(v))))
 }
 
+/// More elements than any call takes (a pool holds at most 2^28 blocks; a step schedules at most 2^20
+/// requests): longer sequences are refused while they are read, never allocated for.
+const MAX_ELEMENTS: usize = 1 << 24;
+
+/// Room for the elements of `v`: its length as a hint, bounded, so that a lying or huge `__len__` cannot
+/// make the allocation abort the process.
+fn room<T>(v: &Bound<'_, PyAny>) -> Vec<T> {
+    Vec::with_capacity(v.len().unwrap_or(0).min(1 << 12))
+}
+
+fn too_long(name: &str) -> PyErr {
+    invalid(format!("{name} has more than {MAX_ELEMENTS} elements"))
+}
+
 pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
-    let mut out = Vec::with_capacity(v.len().unwrap_or(0));
+    let mut out = room(v);
     for (i, item) in sequence(v, name)?.enumerate() {
+        if i == MAX_ELEMENTS {
+            return Err(too_long(name));
+        }
         out.push(convert(&item?, &|| format!("{name}[{i}]"))?);
     }
     Ok(out)
@@ -121,8 +138,11 @@ pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
 
 /// A sequence of pairs of integers, e.g. `[(request_id, new_tokens), ...]`.
 pub fn pairs<A: Int, B: Int>(v: &Bound<'_, PyAny>, name: &str, what: (&str, &str)) -> PyResult<Vec<(A, B)>> {
-    let mut out = Vec::with_capacity(v.len().unwrap_or(0));
+    let mut out = room(v);
     for (i, item) in sequence(v, name)?.enumerate() {
+        if i == MAX_ELEMENTS {
+            return Err(too_long(name));
+        }
         let item = item?;
         let not_a_pair =
             || invalid(format!("{name}[{i}] must be a pair ({}, {}), not {item}", what.0, what.1));

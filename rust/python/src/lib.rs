@@ -39,13 +39,18 @@ fn steady_state_blocks(
     fn arg<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
         args::int(v, name)
     }
-    Ok(hisparse_core::steady_state_blocks(
+    let block_size: u32 = arg(block_size, "block_size")?;
+    if block_size == 0 {
+        return Err(errors::invalid("block_size must be positive".into()));
+    }
+    hisparse_core::steady_state_blocks(
         arg(seq_len, "seq_len")?,
-        arg(block_size, "block_size")?,
+        block_size,
         arg(hot_rows, "hot_rows")?,
         arg(tail_pages, "tail_pages")?,
         arg(groups, "groups")?,
-    ))
+    )
+    .ok_or_else(|| errors::invalid("steady_state_blocks overflows 64 bits for these sizes".into()))
 }
 
 #[pymodule]

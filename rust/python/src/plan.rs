@@ -75,6 +75,11 @@ impl StepPlan {
     fn scheduled(&self) -> Vec<(u64, u32, u32, u32)> {
         self.inner.scheduled.iter().map(|s| (s.request, s.row, s.start, s.tokens)).collect()
     }
+    /// How many requests the plan schedules.
+    #[getter]
+    fn num_scheduled(&self) -> usize {
+        self.inner.scheduled.len()
+    }
     /// The state row of each scheduled request, in the order given to `plan_step`.
     #[getter]
     fn rows(&self) -> Vec<u32> {

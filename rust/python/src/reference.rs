@@ -175,7 +175,8 @@ pub fn _ref_heat_summary<'py>(
     tables: [Buf; 4],
     pages: usize,
     block_size: usize,
-    candidates: usize,
+    coldest: usize,
+    hottest: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let encoded = py
         .detach(|| unsafe {
@@ -185,25 +186,34 @@ pub fn _ref_heat_summary<'py>(
                 row_request: view(tables[2]),
                 heat: view_mut(tables[3]),
             };
-            heat::summarize(&mut t, pages, block_size, candidates).map(|s| s.encode())
+            heat::summarize(&mut t, pages, block_size, coldest, hottest).map(|s| s.encode())
         })
         .py()?;
     Ok(PyBytes::new(py, &encoded))
 }
 
-/// `keys` [S, k] i64, `counts` [S] i64, `row_request` [S] i64, `seq_lens` [S] i32: see
-/// `heat::from_ranked_keys`. Returns the encoded summary.
+/// `bufs`: cold keys [S, coldest] i64, cold counts [S] i64, hot keys [S, hottest] i64 (hottest first), hot
+/// counts [S] i64, `row_request` [S] i64, `seq_lens` [S] i32: see `heat::from_ranked_keys`. Returns the
+/// encoded summary.
 #[pyfunction]
 pub fn _encode_heat_summary<'py>(
     py: Python<'py>,
-    bufs: [Buf; 4],
+    bufs: [Buf; 6],
     pages: usize,
-    k: usize,
+    coldest: usize,
+    hottest: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let encoded = py
         .detach(|| unsafe {
-            heat::from_ranked_keys(view(bufs[0]), view(bufs[1]), view(bufs[2]), view(bufs[3]), pages, k)
-                .map(|s| s.encode())
+            let keys = heat::RankedKeys {
+                cold_keys: view(bufs[0]),
+                cold_counts: view(bufs[1]),
+                hot_keys: view(bufs[2]),
+                hot_counts: view(bufs[3]),
+                row_request: view(bufs[4]),
+                seq_lens: view(bufs[5]),
+            };
+            heat::from_ranked_keys(&keys, pages, coldest, hottest).map(|s| s.encode())
         })
         .py()?;
     Ok(PyBytes::new(py, &encoded))
@@ -225,13 +235,17 @@ pub fn _check_plan(
     py.detach(|| worker::check_plan(plan, rows, &geo, gpu_blocks, host_blocks)).py()
 }
 
-/// One request's ranking in a heat summary: (request_id, [(heat, page), ...]).
-type Ranking = (u64, Vec<(u32, u32)>);
+/// One request's ranking in a heat summary: (request_id, coldest [(heat, page), ...], hottest [...]).
+type Ranking = (u64, Vec<(u32, u32)>, Vec<(u32, u32)>);
 
 /// The entries of an encoded heat summary, for tests and logs.
 #[pyfunction]
 pub fn decode_heat_summary(data: &Bound<'_, PyAny>) -> PyResult<Vec<Ranking>> {
     let raw = crate::args::bytes(data, "data")?;
     let s = heat::HeatSummary::decode(&raw).py()?;
-    Ok(s.requests.iter().enumerate().map(|(i, &id)| (id, s.entries(i).collect())).collect())
+    Ok(s.requests
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| (id, s.coldest(i).collect(), s.hottest(i).collect()))
+        .collect())
 }

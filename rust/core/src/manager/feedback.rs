@@ -29,10 +29,11 @@ impl ResidencyManager {
         for (i, &id) in heat.requests.iter().enumerate() {
             let Some(r) = self.requests.get_mut(&id).filter(|r| r.row().is_some()) else { continue };
             let pages = r.pages.len() as u32;
-            let ranked: Vec<(u32, u32)> = heat.entries(i).filter(|&(_, page)| page < pages).collect();
-            let mut sorted: Vec<u32> = ranked.iter().map(|&(_, page)| page).collect();
-            sorted.sort_unstable();
-            r.cold = ColdPages { ranked, sorted };
+            let coldest: Vec<(u32, u32)> = heat.coldest(i).filter(|&(_, page)| page < pages).collect();
+            let hottest: Vec<(u32, u32)> = heat.hottest(i).filter(|&(_, page)| page < pages).collect();
+            let mut listed: Vec<u32> = coldest.iter().chain(&hottest).map(|&(_, page)| page).collect();
+            listed.sort_unstable();
+            r.cold = ColdPages { coldest, hottest, listed };
         }
         Ok(())
     }

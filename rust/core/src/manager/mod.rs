@@ -57,23 +57,26 @@ struct Request {
     released: u32,
 }
 
-/// What the last heat summary said of a request: its coldest releasable pages, coldest first, and the
-/// same pages sorted, to tell listed pages from the others.
+/// What the last heat summary said of a request: its coldest releasable pages, coldest first, its hottest
+/// (the least hot first), and every listed page sorted, to tell them from the others.
 #[derive(Clone, Debug, Default)]
 struct ColdPages {
-    ranked: Vec<(u32, u32)>,
-    sorted: Vec<u32>,
+    coldest: Vec<(u32, u32)>,
+    hottest: Vec<(u32, u32)>,
+    listed: Vec<u32>,
 }
 
 impl ColdPages {
     fn contains(&self, page: u32) -> bool {
-        self.sorted.binary_search(&page).is_ok()
+        self.listed.binary_search(&page).is_ok()
     }
 }
 
-/// Heat given to releasable pages no summary ranked (released after it, or beyond its candidates): they
-/// go after every ranked page, oldest first.
-const UNRANKED: u32 = u32::MAX;
+/// The heat given to releasable pages the last summary did not list (between its coldest and its hottest,
+/// or released after it) and to its hottest: the pressure order across requests is by heat, so every
+/// request's coldest pages go before any request's unlisted ones, and those before anyone's hottest.
+const UNLISTED: u32 = u32::MAX - 1;
+const HOTTEST: u32 = u32::MAX;
 
 impl Request {
     fn row(&self) -> Option<u32> {
@@ -91,13 +94,15 @@ impl Request {
         matches!(self.pages[page as usize].state, PageState::Clean { .. }) && !self.in_tail(page, tail_pages)
     }
 
-    /// Its releasable pages in the order `coldest` lets them go: those the last heat summary ranked, coldest
-    /// first, then the others, oldest first.
+    /// Its releasable pages in the order `coldest` lets them go: the last heat summary's coldest, coldest
+    /// first; then those it did not list, oldest first; then its hottest, the least hot first.
     fn pressure_order(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        let ranked = self.cold.ranked.iter().copied().filter(|(_, page)| self.releasable.contains(page));
+        let releasable = |&(_, page): &(u32, u32)| self.releasable.contains(&page);
+        let coldest = self.cold.coldest.iter().copied().filter(releasable);
         let rest =
-            self.releasable.iter().filter(|&&page| !self.cold.contains(page)).map(|&page| (UNRANKED, page));
-        ranked.chain(rest)
+            self.releasable.iter().filter(|&&page| !self.cold.contains(page)).map(|&page| (UNLISTED, page));
+        let hottest = self.cold.hottest.iter().copied().filter(releasable).map(|(_, page)| (HOTTEST, page));
+        coldest.chain(rest).chain(hottest)
     }
 
     fn residency(&self, tail_pages: u32) -> Residency {

@@ -192,7 +192,10 @@ fn run(cfg: Config, ops: Vec<Op>) {
                 let n = m.request_info(id).unwrap().num_pages as usize;
                 let pages: Vec<u32> = (0..n as u32).filter(|p| (seed >> (p % 32)) & 1 == 1).collect();
                 let mut summary = HeatSummary::default();
-                summary.push(id, pages.iter().map(|p| (1 + (seed >> ((p + 7) % 32)) % 3, *p)).collect());
+                let ranked: Vec<(u32, u32)> =
+                    pages.iter().map(|p| (1 + (seed >> ((p + 7) % 32)) % 3, *p)).collect();
+                let (coldest, hottest) = ranked.split_at(ranked.len() / 2);
+                summary.push(id, coldest.to_vec(), hottest.to_vec());
                 m.apply_results(&[], &[], &summary).unwrap();
             }
             _ => {}
@@ -335,7 +338,8 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert!(matches!(m.plan_step(&[(1, 1), (1, 1)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.plan_step(&[(1, 1000)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.complete(&[77], true), Err(CoreError::InvalidArgument(_))));
-    let ragged = HeatSummary { requests: vec![1], offsets: vec![0, 1], pages: vec![0], heat: vec![] };
+    let ragged =
+        HeatSummary { requests: vec![1], offsets: vec![0, 1], cold: vec![1], pages: vec![0], heat: vec![] };
     assert!(matches!(m.apply_results(&[], &[], &ragged), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.finish(5), Err(CoreError::UnknownRequest(5))));
     m.check_invariants().unwrap();
@@ -397,7 +401,7 @@ fn coldest_releases_what_the_latest_summary_ranks_coldest() {
     let mut m = coldest_setup();
     let mut summary = HeatSummary::default();
     // The first ten pages were selected, the rest never: the never-selected ones go first.
-    summary.push(1, (0..20).map(|p| (if p < 10 { 5 } else { 0 }, p)).collect());
+    summary.push(1, (10..20).map(|p| (0, p)).collect(), vec![]);
     m.apply_results(&[], &[], &summary).unwrap();
     m.admit(2, 256, &[], None).unwrap();
     let plan = m.plan_step(&[(2, 256)]).unwrap(); // 16 of 18 free blocks taken, watermark 4: four pages go
@@ -414,11 +418,11 @@ fn coldest_releases_what_the_latest_summary_ranks_coldest() {
 fn old_heat_fades_and_the_once_hot_pages_go_first_again() {
     let mut m = coldest_setup();
     let mut old = HeatSummary::default();
-    old.push(1, (0..20).map(|p| (if p < 10 { 5 } else { 0 }, p)).collect());
+    old.push(1, (10..20).map(|p| (0, p)).collect(), (0..10).map(|p| (5, p)).collect());
     m.apply_results(&[], &[], &old).unwrap();
     // Later summaries: the first ten decayed to 0 (nobody selected them since), the others are selected now.
     let mut now = HeatSummary::default();
-    now.push(1, (0..20).map(|p| (if p < 10 { 0 } else { 2 }, p)).collect());
+    now.push(1, (0..10).map(|p| (0, p)).collect(), (10..20).map(|p| (2, p)).collect());
     m.apply_results(&[], &[], &now).unwrap();
     m.admit(2, 256, &[], None).unwrap();
     m.plan_step(&[(2, 256)]).unwrap();
