@@ -5,21 +5,25 @@
 The workload, for N requests of about C tokens (block 64, top-K 2048, 4096 hot rows, one 16-byte layer):
 
 * staggered lengths: request i holds ``C * (0.75 + 0.25 * i / N)`` tokens, so pages fill on different steps;
-* a GPU pool at 30% of what full residency needs (plus a hot region per request), a host pool that holds
-  everything: most requests decode in mixed residency, pages are released and reused every step;
+* a GPU pool at 30% of what full residency needs, or what every request's tail and hot region need when that
+  is more (at 16K a 64-block hot region is a quarter of a request), a host pool that holds everything: most
+  requests decode in mixed residency, pages are released and reused every step;
 * every step each request decodes one token and the indexer stand-in selects 2048 positions: the first 64
   tokens (sinks), the last 512 (recent window), and 1472 drawn from older pages by a log-uniform rank
   (Zipf with exponent 1) scattered over the request's pages by a per-request stride; the real resolver
   (the Rust reference of ``resolve``) runs on them, so heat, hits and misses are real;
 * the worker's copies are reported one step late;
-* heat summaries every 32 steps (``WorkerHooks`` default), 128 candidates per request.
+* heat summaries every 32 steps (``WorkerHooks`` defaults: 128 coldest and 32 hottest pages per request).
 
 Setup (prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
-(scheduler), ``apply`` and ``end_step`` (worker); not the resolver, which is the GPU kernel's work (it runs
-between them, as the forward does, and leaves the caches as cold as a forward would). Wall time
-(``time.perf_counter``): a thread's CPU clock costs ~5 us per reading on this VM, more than what it would
-measure. Prints
-one JSON line: ``sched_us_per_req_<N>x<C>`` (p50), ``..._p90_...``, ``worker_us_per_req_...``,
+(scheduler); ``apply``, ``slot_mapping`` (where the step writes its KV: an engine needs it every step) and
+``end_step`` (worker); not the resolver, which is the GPU kernel's work (it runs between them, as the forward
+does, and leaves the caches as cold as a forward would). Wall time (``time.perf_counter``): a thread's CPU
+clock costs ~5 us per reading on this VM, more than what it would measure. The garbage collector is frozen
+after setup, as serving engines do after start-up (else a collection of torch's objects lands on a random
+step). p50 and p90 are over every timed step; the mean includes the heat summary steps (one in 32), whose
+cost on CPU is the reference's scan of the heat table (on a GPU, one kernel). Prints one JSON line:
+``sched_us_per_req_<N>x<C>`` (p50), ``..._p90_...``, ``..._mean_...``, ``worker_us_per_req_...``,
 ``core_us_per_req_...``, ``plan_bytes_...`` (the pickled WorkerStep), and the workload's counters.
 
     python benches/step_cost.py                  # N in {32, 128, 256} x C in {16K, 128K, 1M}
@@ -109,7 +113,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
     max_pages = math.ceil(max_len / BLOCK)
     hot_blocks = HOT_ROWS // BLOCK
     full = sum(math.ceil(length / BLOCK) for length in lens0)
-    gpu_blocks = int(0.3 * full) + n * (hot_blocks + 4) + 64
+    gpu_blocks = max(int(0.3 * full), n * (hot_blocks + 4)) + 2 * hot_blocks
     host_blocks = n * max_pages + 64
     layout = Layout(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK, max_model_len=max_len,
                     max_running=n, hot_rows=HOT_ROWS, row_bytes=ROW_BYTES, layer_groups=(0,))
@@ -139,6 +143,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
                 return False
             raise RuntimeError(f"the benchmark's pool is too small: {step.missing_blocks} blocks missing")
         worker.apply(step)
+        worker.slot_mapping()
         t2 = clock()
         resolved = 0.0
         if timing is not None:
@@ -200,14 +205,10 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
     stats = manager.stats()
     us = {k: [v * 1e6 / n for v in timing[k]] for k in ("sched", "worker", "core")}
     return {
-        "sched_p50": statistics.median(us["sched"]),
-        "sched_p90": percentile(us["sched"], 0.9),
-        "sched_max": max(us["sched"]),
-        "worker_p50": statistics.median(us["worker"]),
-        "worker_p90": percentile(us["worker"], 0.9),
-        "worker_max": max(us["worker"]),
-        "core_p50": statistics.median(us["core"]),
-        "core_p90": percentile(us["core"], 0.9),
+        **{f"{side}_{stat}": f(us[side]) for side in ("sched", "worker", "core") for stat, f in (
+            ("p50", statistics.median), ("p90", lambda v: percentile(v, 0.9)), ("mean", statistics.fmean),
+            ("max", max))},
+        "pool_fraction": gpu_blocks / full,
         "plan_bytes": int(statistics.median(timing["plan_bytes"])),
         "allocating_steps": sum(timing["allocating"]) / steps,
         "heat_steps": sum(timing["heat"]),
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         out[f"worker_us_per_req_p90_{key}"] = round(r["worker_p90"], 3)
         out[f"core_us_per_req_{key}"] = round(r["core_p50"], 3)
         out[f"core_us_per_req_p90_{key}"] = round(r["core_p90"], 3)
+        for side in ("sched", "worker", "core"):
+            out[f"{side}_us_per_req_mean_{key}"] = round(r[f"{side}_mean"], 3)
         out[f"plan_bytes_{key}"] = r["plan_bytes"]
         out[f"detail_{key}"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
     print(json.dumps(out))

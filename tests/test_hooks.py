@@ -258,3 +258,22 @@ def test_rows_admitted_from_the_host_serve_their_own_request_before_they_are_sch
     summary = {rid: cold for rid, cold, _ in _core.decode_heat_summary(d.dp.heat_summary(8))}
     assert set(summary) == {d.core(1), d.core(2)}
     d.close()
+
+
+def test_the_slot_mapping_of_a_step_is_every_token_rows_in_order():
+    sched, worker = pair()
+    for rid, n in (("a", 20), ("b", 3), ("c", 41)):
+        sched.admit(rid, n)
+    step = sched.plan_step([("a", 20), ("b", 3), ("c", 41)])
+    worker.apply(step)
+    want = torch.cat([worker.token_rows(r.request_id, torch.arange(r.start, r.seq_len)) for r in step.requests])
+    assert torch.equal(worker.slot_mapping(), want) and want.numel() == 64
+    assert torch.equal(worker.dp._slot_mapping_torch(step.plan), want)  # the device path, on CPU tensors
+    sched.apply_results(worker.end_step())
+    step = sched.plan_step([("c", 1), ("a", 1)])
+    worker.apply(step)
+    assert worker.slot_mapping().tolist() == [worker.token_rows("c", torch.tensor([41])).item(),
+                                              worker.token_rows("a", torch.tensor([20])).item()]
+    sched.apply_results(worker.end_step())
+    with pytest.raises(CallOrderError):
+        worker.slot_mapping()

@@ -462,6 +462,7 @@ class DataPath:
         self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
         self._cpu = dev.type == "cpu"
         self._mover: tuple | None = None  # the side-stream page mover, built on the first CUDA apply
+        self._slots: tuple = (None, None)  # (plan, its slot mapping) of the last apply on CPU
         self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
@@ -494,7 +495,7 @@ class DataPath:
                 [_rows_view(h, name, rb) for name, h in host.items()])
 
     def _apply_reference(self, plan: _core.StepPlan) -> None:
-        _core._ref_apply(plan, self._apply_bufs())
+        self._slots = (plan, _core._ref_apply(plan, self._apply_bufs()))
 
     def _apply_bufs(self) -> _core.ApplyBuffers:
         """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced (an assignment
@@ -575,6 +576,35 @@ class DataPath:
             cached = (key, PageMover(list(self.gpu), list(self.host), self.layout.block_size))
             self._mover = cached
         return cached[1]
+
+    def slot_mapping(self, plan: _core.StepPlan) -> torch.Tensor:
+        """The GPU row of every token ``plan``'s scheduled requests write, request after request in the plan's
+        order (an engine's slot mapping), int64 on this data path's device; ``plan`` must be the one applied
+        last. One call, whatever the batch: in Rust on CPU, a few whole-tensor ops on a device (no wait)."""
+        if not isinstance(plan, _core.StepPlan):
+            raise InvalidArgumentError(f"slot_mapping() takes a StepPlan, not {type(plan).__name__}")
+        lay = self.layout
+        if self._cpu:
+            applied, raw = self._slots
+            if applied is not plan or raw is None:  # computed by the apply of this plan, or ask for the reason
+                table = _buf(self.state["block_table"], "block_table", torch.int32)
+                raw = _core._ref_slot_mapping(plan, table, lay.max_pages, lay.block_size)
+            return torch.frombuffer(raw, dtype=torch.int64) if raw else torch.zeros(0, dtype=torch.int64)
+        return self._slot_mapping_torch(plan)
+
+    def _slot_mapping_torch(self, plan: _core.StepPlan) -> torch.Tensor:
+        """The device path of ``slot_mapping`` (no check that every page is resident: it would wait)."""
+        lay, dev = self.layout, self.device
+        s = _PlanSections(plan.to_bytes())
+        a, b = s.spans["scheduled"]
+        sched = s.words[a:b].view(-1, 3).to(torch.int64).to(dev, non_blocking=True)
+        total = plan.num_tokens
+        rows, starts, tokens = sched[:, 0], sched[:, 1], sched[:, 2]
+        which = torch.repeat_interleave(torch.arange(len(rows), device=dev), tokens, output_size=total)
+        first = torch.cumsum(tokens, 0) - tokens  # each request's first token in the output
+        pos = starts[which] + torch.arange(total, device=dev) - first[which]
+        blocks = self.state["block_table"][rows[which], pos // lay.block_size].to(torch.int64)
+        return blocks * lay.block_size + pos % lay.block_size
 
     def _fresh_lru(self, n: int) -> torch.Tensor:
         lay = self.layout

@@ -515,6 +515,11 @@ class WorkerHooks:
         rows = [-1 if r is None else step.request(r).row for r in request_ids]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
+    def slot_mapping(self) -> torch.Tensor:
+        """The GPU rows where the step writes its new KV, every token of every scheduled request in the step's
+        order (``WorkerStep.requests``): an engine's slot mapping in one call, no per-request work."""
+        return self.dp.slot_mapping(self._need_step("slot_mapping()").plan)
+
     def token_rows(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
         """GPU rows (the slot mapping) where the new KV of ``positions`` (an integer tensor, on the host to keep
         the device from waiting) of a scheduled request is written."""

@@ -201,6 +201,32 @@ pub fn apply_plan(
     copy_units(&copies, geo.block_size, geo.row_bytes, Direction::DeviceToHost, layers)
 }
 
+/// The slot mapping of a plan: the GPU row of every token its scheduled requests write, request after
+/// request in the plan's order, read from `block_table` ([S, P], as applied). Refuses a token whose page has no
+/// resident block (a table out of step with the plan).
+pub fn slot_mapping(
+    plan: &StepPlan,
+    block_table: &[i32],
+    pages: usize,
+    block_size: usize,
+) -> Result<Vec<i64>> {
+    let total: usize = plan.scheduled.iter().map(|s| s.tokens as usize).sum();
+    let mut out = Vec::with_capacity(total);
+    for s in &plan.scheduled {
+        let (row, bs) = (s.row as usize, block_size as u64);
+        for pos in s.start as u64..s.start as u64 + s.tokens as u64 {
+            let page = (pos / bs) as usize;
+            let block =
+                (page < pages).then(|| block_table.get(row * pages + page)).flatten().copied().unwrap_or(0);
+            if block <= 0 {
+                return invalid(format!("row {row} writes position {pos}, whose page has no resident block"));
+            }
+            out.push(block as i64 * bs as i64 + (pos % bs) as i64);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +329,26 @@ mod tests {
             (&t.releasable[4..], &hot_blocks[2..], &hot_pos[8..]),
             (&[0; 4][..], &[0; 2][..], &[-1; 8][..])
         );
+    }
+
+    #[test]
+    fn the_slot_mapping_follows_the_applied_tables() {
+        let mut t = Tensors::new();
+        let plan = plan(); // row 1 writes positions 0..5: pages 0 (block 3) and 2 (block 4) are resident
+        t.apply(&plan).unwrap();
+        let table = &t.i32s[1];
+        assert!(slot_mapping(&plan, table, GEO.pages, GEO.block_size).is_err()); // page 1 has no block
+        let mut t2 = Tensors::new();
+        let mut full = plan.clone();
+        full.table_updates.push(TableUpdate {
+            row: 1,
+            page: 1,
+            gpu_block: 5,
+            host_block: -1,
+            releasable: false,
+        });
+        t2.apply(&full).unwrap();
+        assert_eq!(slot_mapping(&full, &t2.i32s[1], GEO.pages, GEO.block_size).unwrap(), [6, 7, 10, 11, 8]);
     }
 
     #[test]

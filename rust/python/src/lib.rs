@@ -70,6 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::_ref_heat_summary, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_encode_heat_summary, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_check_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_ref_slot_mapping, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

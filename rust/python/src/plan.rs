@@ -75,6 +75,11 @@ impl StepPlan {
     fn scheduled(&self) -> Vec<(u64, u32, u32, u32)> {
         self.inner.scheduled.iter().map(|s| (s.request, s.row, s.start, s.tokens)).collect()
     }
+    /// How many tokens the scheduled requests write in all.
+    #[getter]
+    fn num_tokens(&self) -> u64 {
+        self.inner.scheduled.iter().map(|s| s.tokens as u64).sum()
+    }
     /// How many requests the plan schedules.
     #[getter]
     fn num_scheduled(&self) -> usize {

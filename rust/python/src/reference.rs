@@ -7,7 +7,7 @@ use hisparse_core::heat::{self, HeatTables};
 use hisparse_core::reference::{self, Batch, Direction, Geometry, LayerSlabs, ResolveState};
 use hisparse_core::worker::{self, WorkerGeometry, WorkerState};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyByteArray, PyBytes};
 
 use crate::errors::PyResultExt;
 use crate::plan::StepPlan;
@@ -142,30 +142,35 @@ impl ApplyBuffers {
 }
 
 #[pyfunction]
-pub fn _ref_apply(
-    py: Python<'_>,
-    plan: &Bound<'_, StepPlan>,
-    buffers: &Bound<'_, ApplyBuffers>,
-) -> PyResult<()> {
+/// Applies the plan; returns its slot mapping (i64 GPU rows, little-endian), or None when some token it
+/// schedules has no resident page (`_ref_slot_mapping` then says which).
+pub fn _ref_apply<'py>(
+    py: Python<'py>,
+    plan: &Bound<'py, StepPlan>,
+    buffers: &Bound<'py, ApplyBuffers>,
+) -> PyResult<Option<Bound<'py, PyByteArray>>> {
     let plan = &plan.get().inner;
     let ApplyBuffers { geo, state, gpu: gpu_layers, host: host_layers } = buffers.get();
-    py.detach(|| unsafe {
-        let mut st = WorkerState {
-            seq_lens: view_mut(state[0]),
-            block_table: view_mut(state[1]),
-            host_table: view_mut(state[2]),
-            releasable: view_mut(state[3]),
-            row_request: view_mut(state[4]),
-            hot_blocks: view_mut(state[5]),
-            hot_pos: view_mut(state[6]),
-            hot_lru: view_mut(state[7]),
-            heat: view_mut(state[8]),
-            status: view_mut(state[9]),
-        };
-        let mut layers = layer_views(gpu_layers, host_layers);
-        worker::apply_plan(plan, geo, &mut st, &mut layers)
-    })
-    .py()
+    let slots = py
+        .detach(|| unsafe {
+            let mut st = WorkerState {
+                seq_lens: view_mut(state[0]),
+                block_table: view_mut(state[1]),
+                host_table: view_mut(state[2]),
+                releasable: view_mut(state[3]),
+                row_request: view_mut(state[4]),
+                hot_blocks: view_mut(state[5]),
+                hot_pos: view_mut(state[6]),
+                hot_lru: view_mut(state[7]),
+                heat: view_mut(state[8]),
+                status: view_mut(state[9]),
+            };
+            let mut layers = layer_views(gpu_layers, host_layers);
+            worker::apply_plan(plan, geo, &mut st, &mut layers)?;
+            Ok(worker::slot_mapping(plan, st.block_table, geo.pages, geo.block_size).ok())
+        })
+        .py()?;
+    Ok(slots.map(|s| PyByteArray::new(py, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())))
 }
 
 /// `tables`: seq_lens, releasable, row_request, heat. Returns the encoded summary.
@@ -217,6 +222,22 @@ pub fn _encode_heat_summary<'py>(
         })
         .py()?;
     Ok(PyBytes::new(py, &encoded))
+}
+
+/// The plan's slot mapping from an applied `block_table` ([S, P] i32): i64 GPU rows, little-endian.
+#[pyfunction]
+pub fn _ref_slot_mapping<'py>(
+    py: Python<'py>,
+    plan: &Bound<'py, StepPlan>,
+    block_table: Buf,
+    pages: usize,
+    block_size: usize,
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let plan = &plan.get().inner;
+    let slots =
+        py.detach(|| unsafe { worker::slot_mapping(plan, view(block_table), pages, block_size) }).py()?;
+    let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+    Ok(PyByteArray::new(py, &bytes))
 }
 
 /// Checks a plan against a worker's geometry without applying it (the device path's host-side check).
