@@ -188,7 +188,15 @@ def _positions(positions: object, low: int, end: int, device: torch.device) -> t
         lo, hi = t.aminmax()
         if int(lo) < low or int(hi) >= end:
             raise InvalidArgumentError(f"positions must be in {low}..{end - 1} (got {int(lo)}..{int(hi)})")
-    return t.to(device=device, dtype=torch.int64, non_blocking=True)
+    return _to_device(t.to(torch.int64), device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting: through pinned memory (a copy from pageable
+    memory would block), which torch's caching host allocator keeps from reuse until the copy has run."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _as_int64(values: object, name: str) -> torch.Tensor:
@@ -524,8 +532,7 @@ class DataPath:
         lay, st, dev = self.layout, self.state, self.device
         _core._check_plan(plan, self._worker_geometry(), lay.max_running, lay.num_gpu_blocks, lay.num_host_blocks)
         s = _PlanSections(plan.to_bytes())
-        words = s.words.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else s.words
-        longs = s.longs.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else s.longs
+        words, longs = _to_device(s.words, dev), _to_device(s.longs, dev)
 
         def section(name: str, width: int) -> torch.Tensor:
             a, b = s.spans[name]
@@ -597,7 +604,7 @@ class DataPath:
         lay, dev = self.layout, self.device
         s = _PlanSections(plan.to_bytes())
         a, b = s.spans["scheduled"]
-        sched = s.words[a:b].view(-1, 3).to(torch.int64).to(dev, non_blocking=True)
+        sched = _to_device(s.words[a:b].view(-1, 3).to(torch.int64), dev)
         total = plan.num_tokens
         rows, starts, tokens = sched[:, 0], sched[:, 1], sched[:, 2]
         which = torch.repeat_interleave(torch.arange(len(rows), device=dev), tokens, output_size=total)
@@ -705,7 +712,7 @@ class DataPath:
         if not pairs.numel():
             return
         if self.device.type != "cpu":
-            self._copy_device(pairs.to(self.device, non_blocking=True), unit, to_host)
+            self._copy_device(_to_device(pairs, self.device), unit, to_host)
             return
         gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
         pairs_buf = _buf(pairs, "pairs", torch.int64)
@@ -748,7 +755,8 @@ class DataPath:
         if self.device.type == "cuda":
             from .kernels import ops
 
-            ops.invalidate(pairs=t.to(self.device), hot_pos=self.state["hot_pos"], hot_lru=self.state["hot_lru"])
+            ops.invalidate(pairs=_to_device(t, self.device), hot_pos=self.state["hot_pos"],
+                           hot_lru=self.state["hot_lru"])
             return
         hot = {name: self.state[name] for name in ("hot_pos", "hot_lru")}
         bufs = [_buf(v, name, torch.int32) for name, v in {**hot, "pairs": t}.items()]
