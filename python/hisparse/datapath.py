@@ -487,10 +487,15 @@ class DataPath:
         """
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
-        if self._cpu:
-            self._apply_reference(plan)
-            return None
-        return self._apply_torch(plan)
+        if not self._cpu:
+            return self._apply_torch(plan)
+        # Inline on purpose: this runs every step, often with caches a forward has just evicted.
+        c, state = self._checked_apply, self.state
+        if c is None or c[0] is not state or c[1] is not self.gpu or c[2] is not self.host or c[3] is None or \
+                c[3] != getattr(state, "version", None):
+            c = self._check_apply_buffers()
+        self._slots = (plan, _core._ref_apply(plan, c[4]))
+        return None
 
     def _worker_geometry(self) -> tuple[int, int, int, int, int]:
         return self._geometry
@@ -502,30 +507,22 @@ class DataPath:
         return (gpu, host, [_rows_view(g, name, rb) for name, g in gpu.items()],
                 [_rows_view(h, name, rb) for name, h in host.items()])
 
-    def _apply_reference(self, plan: _core.StepPlan) -> None:
-        self._slots = (plan, _core._ref_apply(plan, self._apply_bufs()))
-
-    def _apply_bufs(self) -> _core.ApplyBuffers:
-        """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced (an assignment
-        to ``gpu``, ``host`` or an entry of ``state``): ``apply`` runs every step, and checking a dozen tensors
-        costs more than applying a decode step's plan. Tensors must not be resized in place while a DataPath
-        uses them."""
-        # A state replaced by a plain dict has no version: then every call checks.
+    def _check_apply_buffers(self) -> tuple:
+        """Checks the buffers of ``_ref_apply`` and keeps them, with what they were checked for: ``apply`` checks
+        again only when a tensor was replaced (an assignment to ``gpu``, ``host`` or an entry of ``state``),
+        since checking a dozen tensors every step would cost more than applying a decode step's plan. Tensors
+        must not be resized in place while a DataPath uses them. A state replaced by a plain dict has no
+        version: then every call checks."""
         version = self.state.version if isinstance(self.state, _State) else None
-        key = (self.state, self.gpu, self.host)
-        cached = self._checked_apply
-        if (cached is not None and version is not None and cached[0] == version
-                and all(a is b for a, b in zip(cached[1], key, strict=True))):
-            return cached[2]
         state = {name: self.state[name] for name in APPLY_FIELDS}
         bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in state.items()]
         gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
         # Rust takes every state tensor and both sides of every layer as mutable slices.
         _check_disjoint({**state, **gpu, **host}, {})
-        # The key keeps every tensor alive as long as the buffers that point into them.
+        # The tuple keeps every tensor alive as long as the buffers that point into them.
         buffers = _core.ApplyBuffers(self._geometry, bufs, gpu_bufs, host_bufs)
-        self._checked_apply = (version, key, buffers, state, gpu, host)
-        return buffers
+        self._checked_apply = (self.state, self.gpu, self.host, version, buffers, state, gpu, host)
+        return self._checked_apply
 
     def _apply_torch(self, plan: _core.StepPlan) -> torch.cuda.Event | None:
         """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""
