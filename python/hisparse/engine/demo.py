@@ -361,6 +361,9 @@ def main(args: argparse.Namespace) -> int:
     """``hisparse demo``; a :class:`ConfigError` reaches the command line, which prints it on one line. Exit
     status 1 when a mode's outputs differ from the reference."""
     modes = args.modes
+    # The demo's tensors are small: a second intra-op thread only adds synchronization, and on a busy machine
+    # its spinning made the whole run twenty times slower (bit-identical results either way).
+    torch.set_num_threads(1)
     cfg = DemoConfig(requests=args.requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens, fit=args.fit,
                      layers=args.layers, index_share=args.index_share, seed=args.seed, device=args.device,
                      shared_tokens=min(DemoConfig.shared_tokens, args.prompt_len // 2))
