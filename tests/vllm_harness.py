@@ -141,10 +141,10 @@ def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs
                         dtype="bfloat16")
     spec_config = None
     if num_spec_tokens:
-        from vllm.config import SpeculativeConfig
+        from vllm.config import ParallelConfig, SpeculativeConfig
 
         spec_config = SpeculativeConfig(method="mtp", num_speculative_tokens=num_spec_tokens,
-                                        target_model_config=model)
+                                        target_model_config=model, target_parallel_config=ParallelConfig())
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, is_encoder_decoder=False,
                             async_scheduling=async_scheduling, enable_chunked_prefill=True)
@@ -261,6 +261,8 @@ class Stats:
     running_samples: list[int] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    host_only_prefix_admissions: int = 0
+    trace: list = field(default_factory=list)
 
 
 class FakeWorker:
@@ -269,7 +271,7 @@ class FakeWorker:
     docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks."""
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
-                 heat_interval: int = 8, heat_pairs: int = 256):
+                 heat_interval: int = 8, heat_pairs: int = 256, record: bool = False):
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
@@ -284,6 +286,8 @@ class FakeWorker:
         self.stats = Stats()
         self.heat_interval = heat_interval
         self.heat_pairs = heat_pairs
+        self.record = record
+        self._fresh: set[str] = set()
         self._post_forward: list = []
         groups = kc.kv_cache_groups
         self.layer_of: dict[int, tuple[int, int]] = {}  # layer -> (group index in its kind, part)
@@ -366,7 +370,9 @@ class FakeWorker:
             self._drop(rid)
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)
-            self._admit(new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
+            # A preempted request comes back as a new one; Model Runner V2 gets its outputs so far too.
+            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
+            self._admit(new.req_id, tokens, new.block_ids, new.num_computed_tokens)
             self.stats.prefix_hit_tokens += new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -384,6 +390,9 @@ class FakeWorker:
         for copy in so.kv_cache_block_copies or ():
             self._copy_block(copy.src_block_id, copy.dst_block_id)
         meta = so.kv_connector_metadata
+        if self.record:
+            self.stats.trace.append(_digest(so))
+        self._fresh = {new.req_id for new in so.scheduled_new_reqs if new.num_computed_tokens}
         if self.mode != "plain" and meta is not None:
             self._start_step(meta)
         sampled = self._forward(so, meta)
@@ -420,7 +429,11 @@ class FakeWorker:
         self._post_forward = [t for t in transfers if not t.restore and t.after_forward]
         self._enqueued.extend(t.transfer_id for t in transfers if not t.restore and not t.after_forward)
         for rid, update in meta.residency_updates.items():
-            row = self.reqs[rid].row
+            req = self.reqs[rid]
+            row = req.row
+            if rid in self._fresh and 0 in update.block_ids[0][:req.num_computed // BLOCK]:
+                # Admitted on a prefix hit whose pages are (partly) on the host only.
+                self.stats.host_only_prefix_admissions += 1
             pages = torch.as_tensor(update.pages, dtype=torch.long)
             for k, ids in enumerate(update.block_ids):
                 self.residency[k, row, pages] = torch.as_tensor(ids, dtype=torch.int32)
@@ -433,15 +446,32 @@ class FakeWorker:
 
         enqueued, self._enqueued = self._enqueued, []
         copies, self._completed_host_copies = self._completed_host_copies, []
-        if not enqueued and not copies:
+        heat = self._heat_summary() if self.mode == "hisparse" else {}
+        if not enqueued and not copies and not heat:
             return None
         # Transfers complete in the step that enqueues them: CPU copies are synchronous.
-        meta = HiSparseConnectorWorkerMetadata(enqueued_transfer_counts={t: 1 for t in enqueued},
-                                               completed_transfer_counts={t: 1 for t in enqueued},
-                                               completed_host_copy_dst_ids=tuple(copies))
+        args = ({t: 1 for t in enqueued}, {t: 1 for t in enqueued}, tuple(copies))
+        if self.mode == "hisparse":
+            from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
+
+            meta = HisparseWorkerMetadata(*args, heat=heat)
+        else:
+            meta = HiSparseConnectorWorkerMetadata(*args)
         for _ in range(self.tp - 1):  # the other ranks ran the same copies (KVOutputAggregator)
             meta = meta.aggregate(pickle.loads(pickle.dumps(meta)))
         return meta
+
+    def _heat_summary(self) -> dict:
+        """Every ``heat_interval`` steps: the summary the resolver's heat gives (``heat.py``)."""
+        if self.stats.steps % self.heat_interval or not self.reqs:
+            return {}
+        from hisparse.integrations.vllm.heat import summarize_heat
+
+        sealed = torch.zeros(self.max_rows, self.max_pages, dtype=torch.bool)
+        for req in self.reqs.values():
+            sealed[req.row, :req.num_computed // BLOCK] = True
+        candidates = (self.residency[0] != 0) & sealed
+        return summarize_heat(self.heat, candidates, {rid: r.row for rid, r in self.reqs.items()}, self.heat_pairs)
 
     def _zero_block(self, block: int) -> None:
         self.slab[:, block * BLOCK:(block + 1) * BLOCK] = 0
@@ -649,6 +679,23 @@ class FakeWorker:
             self.stats.indexer_rows_checked += seq_len
 
 
+def _digest(so) -> tuple:
+    """What the scheduler decided in a step, for step-by-step comparisons."""
+    meta = so.kv_connector_metadata
+    cached = so.scheduled_cached_reqs
+    return (
+        tuple(sorted(so.num_scheduled_tokens.items())),
+        tuple((n.req_id, n.block_ids) for n in so.scheduled_new_reqs),
+        tuple(zip(cached.req_ids, map(tuple, (b or () for b in cached.new_block_ids)), strict=True)),
+        tuple(sorted(so.preempted_req_ids or ())),
+        None if meta is None else (
+            tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
+            tuple(meta.command.page_transfers) if meta.command is not None else (),
+            meta.host_block_copies,
+        ),
+    )
+
+
 def _layer(name: str) -> int:
     return int(re.search(r"layers\.(\d+)\.", name).group(1))
 
@@ -699,13 +746,11 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
         scheduled = False
         if sched.has_requests() and len(queue) < depth:
             so = schedule(sched)
-            if so.total_num_scheduled_tokens:
-                queue.append((so, worker.execute(so)))
-                scheduled = True
-                worker.stats.preemptions += len(so.preempted_req_ids or ())
-            elif not queue:
-                # Nothing could run: let vLLM finish what is pending (transfers) and try again.
-                sched.update_from_output(so, _empty_output())
+            # Even an empty step reaches the workers (vLLM's no-forward connector path): that is where last
+            # step's transfers complete and pinned blocks come back.
+            queue.append((so, worker.execute(so)))
+            scheduled = so.total_num_scheduled_tokens > 0
+            worker.stats.preemptions += len(so.preempted_req_ids or ())
         if queue and (len(queue) == depth or not scheduled):
             so, out = queue.popleft()
             sched.update_from_output(so, out)
@@ -726,7 +771,3 @@ def schedule(sched):
         raise CheckFailed(f"an exception escaped schedule(): {type(e).__name__}: {e}") from e
 
 
-def _empty_output():
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    return ModelRunnerOutput(req_ids=[], req_id_to_index={})

@@ -4,6 +4,7 @@
 //! - [`block_pool`], [`host_pool`]: the GPU and pinned-host block pools.
 //! - [`page`]: the page state machine and derived request residency.
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
+//! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`reference`]: the CPU specification of every kernel in `cuda/` (see `cuda/SPEC.md`).
 
 pub mod block_pool;
@@ -14,6 +15,7 @@ mod index_list;
 pub mod manager;
 pub mod page;
 pub mod plan;
+pub mod pool_policy;
 pub mod reference;
 
 pub use config::{steady_state_blocks, Config, PressurePolicy};

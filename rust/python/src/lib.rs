@@ -4,6 +4,8 @@
 //! the GIL released. Errors become the classes of `hisparse.errors` (defined in Python so they can also
 //! derive from `ValueError` / `KeyError` where that is what they are).
 
+mod pool_policy;
+
 use std::slice;
 
 use hisparse_core::manager::RequestInfo;
@@ -532,6 +534,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ResidencyManager>()?;
     m.add_class::<StepPlan>()?;
     m.add_class::<Admission>()?;
+    m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_ref_resolve, m)?)?;
