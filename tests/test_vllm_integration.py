@@ -145,7 +145,7 @@ def test_scenario6_mtp_three_speculative_tokens():
 
 def test_fifo_policy_makes_vllms_decisions_step_by_step():
     """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata."""
-    jobs = [H.Job(f"r{i}", H.prompt(i, 6000), 16, arrival=2 * i) for i in range(5)]
+    jobs = [H.Job(f"r{i}", H.prompt(i, 6000 + 300 * i), 24) for i in range(6)]
     traces = []
     for mode, extra in (("native", None), ("hisparse", {"policy": "fifo"})):
         setup = H.build(mode=mode, gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra=extra)
