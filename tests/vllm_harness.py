@@ -271,7 +271,7 @@ class FakeWorker:
     docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks."""
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
-                 heat_interval: int = 8, heat_pairs: int = 256, record: bool = False):
+                 heat_interval: int = 8, heat_pairs: int = 256, record: bool = False, data: bool = True):
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
@@ -287,6 +287,8 @@ class FakeWorker:
         self.heat_interval = heat_interval
         self.heat_pairs = heat_pairs
         self.record = record
+        # data=False: bookkeeping only (no slab, no host pool, no reads): for timing the scheduler.
+        self.data = data
         self._fresh: set[str] = set()
         self._post_forward: list = []
         groups = kc.kv_cache_groups
@@ -315,7 +317,7 @@ class FakeWorker:
                 assert [_layer(n) for n in groups[gid].layer_names] == \
                     [_layer(n) for n in groups[self.resident_groups[k]].layer_names]
             self.hot_rows = groups[self.hot_groups[0]].kv_cache_spec.blocks_per_request * BLOCK
-            host_blocks = kc.hisparse_host_num_blocks
+            host_blocks = kc.hisparse_host_num_blocks if data else 0
             self.host = torch.zeros(LAYERS, host_blocks * BLOCK, ROW, dtype=torch.uint8)
             self.residency = torch.zeros(len(self.resident_groups), self.max_rows, self.max_pages, dtype=torch.int32)
             self.hot_pos = torch.full((self.max_rows, LAYERS, self.hot_rows), -1, dtype=torch.int32)
@@ -325,7 +327,7 @@ class FakeWorker:
             self.counters = torch.zeros(3, dtype=torch.int64)
             self._written: dict[str, np.ndarray] = {}
         # One slab for every device group: a block's memory, whichever group holds it (docstring).
-        self.slab = torch.zeros(self.parts + 1, self.num_blocks * BLOCK, ROW, dtype=torch.uint8)
+        self.slab = torch.zeros(self.parts + 1, self.num_blocks * BLOCK if data else 0, ROW, dtype=torch.uint8)
         self._completed_host_copies: list[int] = []
         self._enqueued: list[int] = []
 
@@ -415,12 +417,13 @@ class FakeWorker:
         self._mirrors = meta.row_mirrors
         for copy in meta.host_block_copies:
             src, dst = copy.src_block_id * BLOCK, copy.dst_block_id * BLOCK
-            self.host[:, dst:dst + BLOCK] = self.host[:, src:src + BLOCK]
+            if self.data:
+                self.host[:, dst:dst + BLOCK] = self.host[:, src:src + BLOCK]
             self._completed_host_copies.append(copy.dst_block_id)
         transfers = meta.command.page_transfers if meta.command is not None else []
         for t in transfers:
             if t.restore:
-                for k, block in enumerate(t.resident_block_ids):
+                for k, block in enumerate(t.resident_block_ids if self.data else ()):
                     for layer in self._layers_of_group(k):
                         part = self.layer_of[layer][1]
                         self.slab[part, block * BLOCK:(block + 1) * BLOCK] = \
@@ -474,9 +477,13 @@ class FakeWorker:
         return summarize_heat(self.heat, candidates, {rid: r.row for rid, r in self.reqs.items()}, self.heat_pairs)
 
     def _zero_block(self, block: int) -> None:
+        if not self.data:
+            return
         self.slab[:, block * BLOCK:(block + 1) * BLOCK] = 0
 
     def _copy_block(self, src: int, dst: int) -> None:
+        if not self.data:
+            return
         self.slab[:, dst * BLOCK:(dst + 1) * BLOCK] = self.slab[:, src * BLOCK:(src + 1) * BLOCK]
 
     # ------------------------------------------------------------------ forward
@@ -497,7 +504,8 @@ class FakeWorker:
             if drafts:
                 hashes = np.concatenate([hashes, prefix_hashes(np.asarray(drafts), hashes[-1])])
             req.step_hashes = hashes
-            self._write(rid, req, np.arange(start, start + n), hashes[start:start + n])
+            if self.data:
+                self._write(rid, req, np.arange(start, start + n), hashes[start:start + n])
             if real_end < len(req.tokens):
                 sampled[rid] = []  # a prefill chunk: nothing sampled yet
                 continue
@@ -514,9 +522,9 @@ class FakeWorker:
             # One query row for the last real token and one per draft, each reading its causal prefix.
             for q in range(len(drafts) + 1):
                 reads.append((req, real_end + q))
-        if self.mode != "plain" and meta is not None:
+        if self.mode != "plain" and meta is not None and self.data:
             self._mirror(so)
-        if self.reads and reads:
+        if self.reads and self.data and reads:
             self._read(reads)
         return sampled
 

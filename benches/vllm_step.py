@@ -1,0 +1,74 @@
+"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse: same trace, same run.
+
+For N = 32 and 128 requests of 64K-token prompts, each mode runs vLLM's real ``Scheduler`` (the CPU harness
+of ``tests/vllm_harness.py``, bookkeeping only: no KV data) until all N decode, then times ``schedule()`` +
+``update_from_output()`` over the decode steps. Prints one JSON line: per N and mode, the median step in
+microseconds and the mean number of running requests while timed.
+
+    .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import vllm_harness as H  # noqa: E402
+
+CONTEXT = 65536
+
+
+def measure(mode: str, n: int, steps: int) -> dict:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    # A pool that holds a third of the requests fully resident: the rest must read through hot regions.
+    page_bytes = 7 * 515328  # one block per resident group (6) and the indexer, DeepSeek-V3.2
+    gpu_gib = n / 3 * (CONTEXT // H.BLOCK + 2) * page_bytes / 2**30
+    setup = H.build(mode=mode, gpu_gib=gpu_gib, max_model_len=CONTEXT + 1024, max_num_seqs=n,
+                    max_num_batched_tokens=65536, host_pool_gib=n * 0.17 + 8)
+    worker = H.FakeWorker(setup, data=False)
+    sched = setup.scheduler
+    for i in range(n):
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+        sched.add_request(Request(f"r{i}", H.prompt(i, CONTEXT), params, None, block_hasher=setup.block_hasher))
+    times, running = [], []
+    decoding = 0
+    for _ in range(20 * n + 10 * steps):
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        out = worker.execute(so)
+        t2 = time.perf_counter()
+        sched.update_from_output(so, out)
+        t3 = time.perf_counter()
+        if all(v == 1 for v in so.num_scheduled_tokens.values()) and so.num_scheduled_tokens:
+            decoding += 1
+            if decoding > 3:  # skip the first decode steps: transitions settle
+                times.append((t1 - t0) + (t3 - t2))
+                running.append(len(so.num_scheduled_tokens))
+        if len(times) >= steps:
+            break
+    return {"median_us": round(statistics.median(times) * 1e6, 1), "mean_running": round(statistics.mean(running), 1),
+            "steps": len(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
+    args = ap.parse_args()
+    result = {"context": CONTEXT}
+    for n in args.n:
+        result[f"n{n}"] = {mode: measure(mode, n, args.steps) for mode in ("native", "hisparse")}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
