@@ -1,9 +1,10 @@
 """vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse: same trace, same run.
 
 For N = 32 and 128 requests of 64K-token prompts, each mode runs vLLM's real ``Scheduler`` (the CPU harness
-of ``tests/vllm_harness.py``, bookkeeping only: no KV data) until all N decode, then times ``schedule()`` +
-``update_from_output()`` over the decode steps. Prints one JSON line: per N and mode, the median step in
-microseconds and the mean number of running requests while timed.
+of ``tests/vllm_harness.py``, bookkeeping only: no KV data) in a pool that holds a third of them fully
+resident, until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode
+steps. Prints one JSON line: per N and mode, the median step in microseconds and the mean number of running
+requests while timed.
 
     .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128]
 """
@@ -39,8 +40,8 @@ def measure(mode: str, n: int, steps: int) -> dict:
         params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
         sched.add_request(Request(f"r{i}", H.prompt(i, CONTEXT), params, None, block_hasher=setup.block_hasher))
     times, running = [], []
-    decoding = 0
-    for _ in range(20 * n + 10 * steps):
+    most, settled = 0, 0
+    for _ in range(40 * n + 10 * steps):
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
@@ -48,11 +49,13 @@ def measure(mode: str, n: int, steps: int) -> dict:
         t2 = time.perf_counter()
         sched.update_from_output(so, out)
         t3 = time.perf_counter()
-        if all(v == 1 for v in so.num_scheduled_tokens.values()) and so.num_scheduled_tokens:
-            decoding += 1
-            if decoding > 3:  # skip the first decode steps: transitions settle
-                times.append((t1 - t0) + (t3 - t2))
-                running.append(len(so.num_scheduled_tokens))
+        now = len(so.num_scheduled_tokens)
+        settled = settled + 1 if now <= most else 0
+        most = max(most, now)
+        # Time decode-only steps once admissions have stopped growing the batch for 20 steps.
+        if now and settled > 20 and all(v == 1 for v in so.num_scheduled_tokens.values()):
+            times.append((t1 - t0) + (t3 - t2))
+            running.append(now)
         if len(times) >= steps:
             break
     return {"median_us": round(statistics.median(times) * 1e6, 1), "mean_running": round(statistics.mean(running), 1),
