@@ -258,7 +258,12 @@ class Stats:
     indexer_rows_checked: int = 0
     rows_from_host: int = 0
     max_running: int = 0
+    # vLLM's running-requests gauge (len(scheduler.running)) after each schedule(), and how many of those
+    # the step scheduled (fewer when a prefill takes the token budget).
     running_samples: list[int] = field(default_factory=list)
+    scheduled_samples: list[int] = field(default_factory=list)
+    # The gauge while some request waits: how many requests the pool keeps running under pressure.
+    pressure_samples: list[int] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     host_only_prefix_admissions: int = 0
@@ -318,7 +323,9 @@ class FakeWorker:
                     [_layer(n) for n in groups[self.resident_groups[k]].layer_names]
             self.hot_rows = groups[self.hot_groups[0]].kv_cache_spec.blocks_per_request * BLOCK
             host_blocks = kc.hisparse_host_num_blocks if data else 0
-            self.host = torch.zeros(LAYERS, host_blocks * BLOCK, ROW, dtype=torch.uint8)
+            # Host rows of the checked layers only (the others are never written or read here).
+            self.host = torch.zeros(len(self.layers), host_blocks * BLOCK, ROW, dtype=torch.uint8)
+            self.host_index = {layer: i for i, layer in enumerate(self.layers)}
             self.residency = torch.zeros(len(self.resident_groups), self.max_rows, self.max_pages, dtype=torch.int32)
             self.hot_pos = torch.full((self.max_rows, LAYERS, self.hot_rows), -1, dtype=torch.int32)
             self.hot_lru = torch.arange(self.hot_rows, dtype=torch.int32).repeat(self.max_rows, LAYERS, 1).contiguous()
@@ -398,9 +405,7 @@ class FakeWorker:
         if self.mode != "plain" and meta is not None:
             self._start_step(meta)
         sampled = self._forward(so, meta)
-        running = len(so.num_scheduled_tokens)
-        self.stats.max_running = max(self.stats.max_running, running)
-        self.stats.running_samples.append(running)
+        self.stats.scheduled_samples.append(len(so.num_scheduled_tokens))
         out = ModelRunnerOutput(req_ids=list(sampled), req_id_to_index={r: i for i, r in enumerate(sampled)},
                                 sampled_token_ids=list(sampled.values()))
         if self.mode != "plain":
@@ -427,7 +432,7 @@ class FakeWorker:
                     for layer in self._layers_of_group(k):
                         part = self.layer_of[layer][1]
                         self.slab[part, block * BLOCK:(block + 1) * BLOCK] = \
-                            self.host[layer, t.host_block_id * BLOCK:(t.host_block_id + 1) * BLOCK]
+                            self.host[self.host_index[layer], t.host_block_id * BLOCK:(t.host_block_id + 1) * BLOCK]
                 self._enqueued.append(t.transfer_id)
         self._post_forward = [t for t in transfers if not t.restore and t.after_forward]
         self._enqueued.extend(t.transfer_id for t in transfers if not t.restore and not t.after_forward)
@@ -442,7 +447,8 @@ class FakeWorker:
                 self.residency[k, row, pages] = torch.as_tensor(ids, dtype=torch.int32)
 
     def _layers_of_group(self, k: int) -> list[int]:
-        return [layer for layer, (g, _) in self.layer_of.items() if g == k]
+        """The checked layers of resident group ``k``."""
+        return [layer for layer in self.layers if self.layer_of[layer][0] == k]
 
     def _worker_meta(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorWorkerMetadata
@@ -578,7 +584,7 @@ class FakeWorker:
                     src = torch.arange(m.source_starts[k], m.source_starts[k] + m.num_rows)
                     dst = slice(m.destination_start, m.destination_start + m.num_rows)
                     for layer in self._layers_of_group(k):
-                        self.host[layer, dst] = self.slab[self.layer_of[layer][1], src]
+                        self.host[self.host_index[layer], dst] = self.slab[self.layer_of[layer][1], src]
 
     # ------------------------------------------------------------------ reads
 
@@ -652,7 +658,8 @@ class FakeWorker:
         resolve_reference(topk=torch.from_numpy(topk), row_state=row_state, seq_lens=seq_lens,
                           block_table=self.residency[k].contiguous(), host_table=host_table, hot_blocks=hot_blocks,
                           hot_pos=self.hot_pos, hot_lru=self.hot_lru, heat=self.heat, status=self.status,
-                          counters=self.counters, gpu_layers=[self.slab[part]], host_layers=[self.host[layer]],
+                          counters=self.counters, gpu_layers=[self.slab[part]],
+                          host_layers=[self.host[self.host_index[layer]]],
                           group=layer, block_size=BLOCK, out=out)
         self.stats.rows_from_host += int(self.counters[1]) - before
         return out.numpy().astype(np.int64)
@@ -754,6 +761,10 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
         scheduled = False
         if sched.has_requests() and len(queue) < depth:
             so = schedule(sched)
+            worker.stats.running_samples.append(len(sched.running))
+            if sched.waiting:
+                worker.stats.pressure_samples.append(len(sched.running))
+            worker.stats.max_running = max(worker.stats.max_running, len(sched.running))
             # Even an empty step reaches the workers (vLLM's no-forward connector path): that is where last
             # step's transfers complete and pinned blocks come back.
             queue.append((so, worker.execute(so)))

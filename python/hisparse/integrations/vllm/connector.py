@@ -64,8 +64,9 @@ class HiSparseConnector(VllmHiSparseConnector):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Nothing is loaded from outside vLLM; None (wait) when admitting the request now would leave too
         little headroom for the running ones (``HisparseCoordinator.admit``)."""
-        if self.connector_scheduler is not None and self.coordinator is not None and not num_computed_tokens:
-            if not self.coordinator.admit(request.request_id, request.num_tokens, self._admission_tokens):
+        if self.connector_scheduler is not None and self.coordinator is not None:
+            if not self.coordinator.admit(request.request_id, request.num_tokens, num_computed_tokens,
+                                          self._admission_tokens):
                 return None, False
         return 0, False
 

@@ -13,9 +13,10 @@ the three decisions that are policy (package docstring):
                       reuses them: vLLM's is newest first; ``coldest`` is coldest first by reported heat.
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
                       (an answer of None makes vLLM leave the request waiting this step): a new request is
-                      admitted only while the pool keeps, after its admission window, the hot regions owed
-                      to requests already asked to transition, one more hot region, and a page of growth for
-                      every running request. vLLM admits against unpinned pages as if they were free, then
+                      admitted only while the pool keeps, after its peak need (every indexer page, two
+                      admission windows of resident pages, its hot region), the hot regions owed to requests
+                      already asked to transition, one more hot region while a running request has none,
+                      and a page of growth for every running request. vLLM admits against unpinned pages as if they were free, then
                       preempts running requests when their hot regions and tail pages do not fit. A
                       deferred admission counts as a low pool for this step's transitions, so requests
                       worth moving free room for the waiting one.
@@ -86,20 +87,30 @@ class HisparseCoordinator(HiSparseCoordinator):
 
     # ------------------------------------------------------------------ admission headroom
 
-    def admit(self, request_id: str, num_tokens: int, admission_tokens: int) -> bool:
-        """Whether a waiting request of ``num_tokens`` (admitted ``admission_tokens`` at a time) may start
-        now (module docstring). ``fifo`` always says yes, as vLLM does; so does an engine with no request
-        holding blocks (which could then never make room)."""
+    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int) -> bool:
+        """Whether a waiting request of ``num_tokens``, ``num_computed_tokens`` of them a prefix hit, may start
+        now, its prompt being scheduled ``admission_tokens`` at a time (module docstring). ``fifo`` always says
+        yes, as vLLM does; so does an engine with no request holding blocks (which could never make room)."""
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if self.policy == "fifo" or num_running == 0:
             return True
         block_size = self.resident_managers[0].block_size
-        pages = -(-min(num_tokens, admission_tokens) // block_size)
-        # Each page takes one block per resident group plus one indexer block.
-        need = pages * (self.blocks_per_page + 1)
+        pages = -(-num_tokens // block_size)
+        new_pages = pages - num_computed_tokens // block_size
+        window = -(-admission_tokens // block_size)
+        # Counted as if nothing of the prefix were on the GPU: the indexer keeps every page; the resident
+        # groups peak at two admission windows (the next chunk is allocated, with the hot region, before the
+        # window that filled up is released); a hot region comes with a prompt longer than one window or
+        # with a prefix hit (whose pages may be on the host only).
+        need = pages + min(new_pages, 2 * window) * self.blocks_per_page
+        if new_pages > window or num_computed_tokens:
+            need += self.hot_cost
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
-        reserve = owed + self.hot_cost + num_running * (self.blocks_per_page + 1)
+        running = self.resident_managers[0].req_to_blocks
+        # One more hot region, unless every running request already reads through its own.
+        spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) for rid in running) else 0
+        reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
         if self.gpu_pool.get_num_free_blocks() - need >= reserve:
             return True
         self.counters["admissions_deferred"] += 1
