@@ -13,7 +13,8 @@
 //!   release free more blocks than the region costs.
 //!
 //! A heat summary lists up to `C` pairs (page, heat), coldest first, among the request's resident pages
-//! with a durable host copy; when it is full, every page it does not list was hotter than all it lists.
+//! with a durable host copy; when it is full, every page it does not list was at least as hot as the
+//! hottest it lists (so, when that is zero, nothing is known of them).
 //! `fifo` never reports heat, so every order degenerates to vLLM's (newest first, nothing refreshed).
 
 use std::collections::HashMap;
@@ -25,18 +26,15 @@ const UNKNOWN: u32 = 0;
 struct RequestHeat {
     /// Last reported heat by page.
     heat: HashMap<u32, u32>,
-    /// Whether the last summary was full: pages it did not list are hotter than every listed one.
-    truncated: bool,
+    /// Heat of a page the last summary did not list: the hottest listed heat when the summary was full
+    /// (unlisted pages were at least that hot), else `UNKNOWN`.
+    floor: u32,
 }
 
 impl RequestHeat {
-    /// Sort key: heat, with pages a full summary left out above everything it listed.
-    fn key(&self, page: u32) -> u64 {
-        match self.heat.get(&page) {
-            Some(&h) => u64::from(h),
-            None if self.truncated => u64::from(u32::MAX) + 1,
-            None => u64::from(UNKNOWN),
-        }
+    /// Sort key: reported heat, or the floor for an unlisted page.
+    fn key(&self, page: u32) -> u32 {
+        self.heat.get(&page).copied().unwrap_or(self.floor)
     }
 }
 
@@ -57,7 +55,7 @@ impl PoolPolicy {
         let entry = self.requests.entry(request.to_owned()).or_default();
         entry.heat.clear();
         entry.heat.extend(pages.iter().copied().zip(heat.iter().copied()));
-        entry.truncated = full;
+        entry.floor = if full { heat.iter().copied().max().unwrap_or(UNKNOWN) } else { UNKNOWN };
     }
 
     /// `pages` in the order to release them: coldest first, equal heat newest first.
@@ -69,11 +67,11 @@ impl PoolPolicy {
     }
 
     /// Of the released pages still readable, those the last summary saw selected (heat above zero, or left
-    /// out of a full summary), coldest first. Moving them to the back of the free queue in this order
+    /// out of a full summary whose hottest page was selected), coldest first. Moving them to the back of the free queue in this order
     /// leaves the unselected ones to be reused first and the hottest last.
     pub fn refresh_order(&self, request: &str, released: &[u32]) -> Vec<u32> {
         let Some(r) = self.requests.get(request) else { return Vec::new() };
-        let mut hot: Vec<u32> = released.iter().copied().filter(|&p| r.key(p) > u64::from(UNKNOWN)).collect();
+        let mut hot: Vec<u32> = released.iter().copied().filter(|&p| r.key(p) > UNKNOWN).collect();
         hot.sort_unstable_by_key(|&p| (r.key(p), p));
         hot
     }
@@ -124,13 +122,16 @@ mod tests {
     }
 
     #[test]
-    fn a_full_summary_makes_unlisted_pages_the_hottest() {
+    fn a_full_summary_makes_unlisted_pages_at_least_as_hot_as_its_hottest() {
         let mut p = PoolPolicy::new();
         p.report("a", &[1, 2], &[0, 1], true);
         let mut pages = vec![1, 2, 3];
         p.release_order("a", &mut pages);
-        assert_eq!(pages, vec![1, 2, 3]);
+        assert_eq!(pages, vec![1, 3, 2]);
         assert_eq!(p.refresh_order("a", &[1, 2, 3]), vec![2, 3]);
+        // Nothing listed was selected: nothing is known of the rest either, so nothing moves.
+        p.report("a", &[1, 2], &[0, 0], true);
+        assert!(p.refresh_order("a", &[1, 2, 3]).is_empty());
         p.forget("a");
         assert!(p.is_empty());
     }
