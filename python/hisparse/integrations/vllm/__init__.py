@@ -29,12 +29,20 @@ stays the one owner of every block id, and we replace only the *policy*: the sch
   back of the queue (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
 - when a request takes a hot region: only when what it releases frees more blocks than the region costs
   (vLLM moves every scheduled request once the pool runs low, even one whose pages free less than its
-  6 x 64-block hot region).
+  6 x 64-block hot region);
+- when a waiting request is admitted (through ``get_num_new_matched_tokens``, whose None makes vLLM wait):
+  only while the pool keeps room for the running requests' hot regions and growth after the new request's
+  peak. vLLM counts released pages as free, admits against them, and then preempts running requests.
 
 Everything else is vLLM's and keeps working on its defaults: async scheduling, prefix caching on GPU and
 host-only prefixes, preemption, MTP lookahead, TP > 1 (the metadata is vLLM's dataclasses, plus a heat
 field; the Rust state stays in the engine-core process), refusals (an allocation that cannot be backed is
 ``allocate_slots`` returning None: vLLM waits or preempts; nothing raises out of ``schedule()``).
+
+Heat comes from the workers in :class:`~hisparse.integrations.vllm.connector.HisparseWorkerMetadata`
+(summaries made by :func:`~hisparse.integrations.vllm.heat.summarize_heat`). vLLM's GPU resolver does not
+count selections, and counting them on the GPU worker is not done yet: on a GPU, ``coldest`` runs without
+heat (vLLM's release order), with the transition test and admission headroom above.
 
 What does not survive: one hot region shared by every index group. vLLM's layout gives each group of up to
 12 layers its own hot blocks (``v1/hisparse/layout.py``); re-packing means changing that layout, the spec

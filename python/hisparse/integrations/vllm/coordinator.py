@@ -16,8 +16,9 @@ the three decisions that are policy (package docstring):
                       admitted only while the pool keeps, after its peak need (every indexer page, two
                       admission windows of resident pages, its hot region), the hot regions owed to requests
                       already asked to transition, one more hot region while a running request has none,
-                      and a page of growth for every running request. vLLM admits against unpinned pages as if they were free, then
-                      preempts running requests when their hot regions and tail pages do not fit. A
+                      and a page of growth for every running request. vLLM admits against unpinned pages
+                      as if they were free, then preempts running requests when their hot regions and
+                      tail pages do not fit. A
                       deferred admission counts as a low pool for this step's transitions, so requests
                       worth moving free room for the waiting one.
 ``report_heat``       (new) a heat summary from the workers: released pages that are still selected move to
