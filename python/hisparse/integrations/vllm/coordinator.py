@@ -2,7 +2,7 @@
 
 vLLM's coordinator keeps the bookkeeping we keep too (pages dirty -> clean -> unpinned -> lost when the pool
 reuses the block, publication of host prefixes, adoption of GPU copies, spills and imports). We override
-the three decisions that are policy (package docstring):
+the decisions that are policy (package docstring):
 
 ``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
@@ -18,9 +18,8 @@ the three decisions that are policy (package docstring):
                       already asked to transition, one more hot region while a running request has none,
                       and a page of growth for every running request. vLLM admits against unpinned pages
                       as if they were free, then preempts running requests when their hot regions and
-                      tail pages do not fit. A
-                      deferred admission counts as a low pool for this step's transitions, so requests
-                      worth moving free room for the waiting one.
+                      tail pages do not fit. A deferred admission counts as a low pool for this step's
+                      transitions, so requests worth moving free room for the waiting one.
 ``report_heat``       (new) a heat summary from the workers: released pages that are still selected move to
                       the back of the free queue (``touch`` + ``unpin_blocks``), coldest first, hottest last.
 
