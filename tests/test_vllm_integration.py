@@ -144,3 +144,46 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
         traces.append(stats.trace)
     assert stats.rows_from_host > 0
     assert traces[0] == traces[1]
+
+
+def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_free_queue():
+    """Release order is reuse order: right after a heat summary, every released page that the resolver
+    selected sits behind every released page it did not select, in vLLM's free queue (reused last)."""
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20)
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, heat_interval=4)
+    coord = setup.scheduler.connector.coordinator
+    pool = coord.gpu_pool
+    summaries = {}
+    report = coord.report_heat
+
+    def record(heat):
+        summaries.clear()
+        summaries.update(heat)
+        report(heat)
+
+    coord.report_heat = record
+    checked = []
+
+    def on_step(step):
+        if not summaries:
+            return
+        position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
+        for rid, (pages, heat, _) in summaries.items():
+            state = coord.request_states.get(rid)
+            if state is None:
+                continue
+            where = {}
+            for page in state.unpinned_pages:
+                block = coord.resident_managers[0].get_resident_page(rid, page)
+                if block is not None and block.block_id in position:
+                    where[page] = position[block.block_id]
+            listed = dict(zip(pages, heat, strict=True))
+            hot = [where[p] for p in where if listed.get(p, 0) > 0]
+            cold = [where[p] for p in where if p in listed and listed[p] == 0]
+            if hot and cold:
+                assert min(hot) > max(cold)
+                checked.append(rid)
+        summaries.clear()
+
+    H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
+    assert checked, "no summary found both selected and unselected released pages"

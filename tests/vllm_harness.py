@@ -589,22 +589,22 @@ class FakeWorker:
     # ------------------------------------------------------------------ reads
 
     def _topk(self, req: _Req, layer: int, seq_len: int) -> np.ndarray:
-        """An indexer-like selection: a sink, a local window, a per-request set of favourite pages and a
-        random spread; all of it when the sequence is shorter than top-K."""
+        """An indexer-like selection: a sink, a local window, and the rest drawn from the request's
+        favourite pages (40% of them, the same in every layer), so that some pages are never selected;
+        all positions when the sequence is shorter than top-K."""
         if seq_len <= TOP_K:
             return np.arange(seq_len, dtype=np.int32)
         rng = np.random.default_rng((req.seed, layer, seq_len))
         local = np.arange(max(0, seq_len - 512), seq_len)
         sink = np.arange(min(64, seq_len))
-        fav_rng = np.random.default_rng((req.seed, layer))
-        num_pages = seq_len // BLOCK
-        fav_pages = fav_rng.choice(max(1, num_pages), size=min(8, max(1, num_pages)), replace=False)
-        fav = (fav_pages[:, None] * BLOCK + np.arange(BLOCK)[None, :]).ravel()
-        fav = fav[fav < seq_len]
-        chosen = np.unique(np.concatenate([sink, local, fav]))
+        num_pages = -(-seq_len // BLOCK)
+        favourite = np.flatnonzero(np.random.default_rng(req.seed).random(num_pages) < 0.4)
+        pool = (favourite[:, None] * BLOCK + np.arange(BLOCK)[None, :]).ravel()
+        pool = pool[pool < seq_len]
+        chosen = np.unique(np.concatenate([sink, local]))
+        pool = np.setdiff1d(pool, chosen, assume_unique=False)
         rest = TOP_K - len(chosen)
-        if rest > 0:
-            pool = np.setdiff1d(np.arange(seq_len), chosen, assume_unique=True)
+        if rest > 0 and len(pool):
             chosen = np.concatenate([chosen, rng.choice(pool, size=min(rest, len(pool)), replace=False)])
         return np.sort(chosen[:TOP_K]).astype(np.int32)
 
