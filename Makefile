@@ -37,3 +37,4 @@ test: build lint
 
 bench: build
 	$(PY) benches/core_step.py
+	$(PY) benches/vllm_step.py
