@@ -36,5 +36,5 @@ test: build lint
 	$(PY) -m pytest -q
 
 bench: build
-	$(PY) benches/core_step.py
+	$(PY) benches/step_cost.py
 	$(PY) benches/vllm_step.py

@@ -1,5 +1,7 @@
 // Shared helpers of the hisparse kernels. NVRTC compiles these files without the CUDA toolkit headers,
-// so only compiler builtins are used (uint4, atomics, warp shuffles).
+// so only compiler builtins are used (uint4, atomics, warp intrinsics). The CPU kernel harness
+// (tests/kernel_harness/) compiles the same files as C++ and defines HS_DYNAMIC_SHARED itself; nothing
+// else here knows about it.
 #pragma once
 
 typedef unsigned char u8;
@@ -8,6 +10,18 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define HS_FULL_MASK 0xffffffffu
+#define HS_NONE 0xffffffffu  // "no slot", "no index" in u32 fields
+
+// Status bits of SPEC.md.
+#define HS_OVERFLOW 1
+#define HS_NO_HOST_COPY 2
+#define HS_BAD_TABLE 4
+#define HS_BAD_HOT 8
+
+// The kernel's dynamic shared memory as a `type` array called `name`.
+#ifndef HS_DYNAMIC_SHARED
+#define HS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 // Exclusive prefix sum of `v` over the block, in thread order; `*total` receives the block's sum.
 // Every thread of the block must call it. It begins with a barrier-free warp scan and contains
@@ -41,27 +55,23 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp
   return prefix;
 }
 
-// Copies 16-byte chunks q in [first, total) with step `stride`; addr(q, &src, &dst) locates chunk q and
-// returns false to skip it. Four loads are issued before their stores so that reads of pinned host memory
-// over PCIe (hundreds of cycles each) overlap instead of running one round trip at a time.
-template <class Addr>
-__device__ __forceinline__ void copy_chunks(i64 total, i64 first, i64 stride, Addr addr) {
-  for (i64 q0 = first; q0 < total; q0 += 4 * stride) {
+// Copies `chunks` 16-byte chunks from src to dst; this thread takes chunks lane, lane + lanes, ...
+// Four loads are issued before their stores so that reads of pinned host memory over PCIe (hundreds of
+// cycles each) overlap instead of running one round trip at a time. Offsets are 32-bit: callers compute
+// the 64-bit base of a row or block once.
+__device__ __forceinline__ void copy_span(const uint4* __restrict__ src, uint4* __restrict__ dst, u32 chunks,
+                                          u32 lane, u32 lanes) {
+  for (u32 c0 = lane; c0 < chunks; c0 += 4 * lanes) {
     uint4 v[4];
-    uint4* dst[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const i64 q = q0 + u * stride;
-      const uint4* src;
-      if (q < total && addr(q, &src, &dst[u])) {
-        v[u] = *src;
-      } else {
-        dst[u] = nullptr;
-      }
+    for (u32 u = 0; u < 4; ++u) {
+      const u32 c = c0 + u * lanes;
+      if (c < chunks) v[u] = src[c];
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (dst[u] != nullptr) *dst[u] = v[u];
+    for (u32 u = 0; u < 4; ++u) {
+      const u32 c = c0 + u * lanes;
+      if (c < chunks) dst[c] = v[u];
     }
   }
 }

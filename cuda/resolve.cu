@@ -2,18 +2,23 @@
 #include "common.cuh"
 
 // One CTA resolves one request. 1024 threads, so every per-element phase of a decode row (K = 2048) takes
-// two block-wide steps, and the copies of a request's misses have many loads in flight.
+// two block-wide steps.
 #define RESOLVE_THREADS 1024
+#define INVALIDATE_THREADS 256
+// Pairs invalidate takes per pass; its set of their positions has twice as many entries, so it never fills.
+#define INVALIDATE_BATCH 2048
 
-// Shared-memory hash table of positions: each 64-bit entry is (position << 32 | value), all ones when
-// empty (position -1 never enters). Open addressing with linear probing; entries are never removed, so a
-// probe that meets an empty entry proves the position absent.
+// Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
+// by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
+// enters, and every lookup of a negative position is answered before it probes). Open addressing with linear
+// probing; entries are never removed, so a probe that meets an empty entry proves the position absent.
 #define EMPTY_ENTRY (~0ull)
-#define NO_VALUE 0xffffffffu
 
-__device__ __forceinline__ u32 table_home(int pos, int log2c) {
-  return ((u32)pos * 0x9E3779B1u) >> (32 - log2c);  // Fibonacci hashing spreads runs of positions
+__device__ __forceinline__ u32 table_home(int pos, u32 cap) {
+  return __umulhi((u32)pos * 0x9E3779B1u, cap);  // Fibonacci hashing spreads runs of positions over [0, cap)
 }
+
+__device__ __forceinline__ u32 table_next(u32 h, u32 cap) { return h + 1 == cap ? 0 : h + 1; }
 
 __device__ __forceinline__ u64 table_entry(int pos, u32 value) { return ((u64)(u32)pos << 32) | value; }
 
@@ -21,18 +26,18 @@ __device__ __forceinline__ bool entry_holds(u64 entry, int pos) { return (u32)(e
 
 // Records `value` for `pos`, keeping the smallest value seen for it. Returns false without inserting when
 // `pos` needs a new entry and `*claimed` (entries in use) has reached `limit`. A thread tests the limit
-// before it claims, so at most limit + blockDim - 1 entries are ever claimed: with limit = C / 2 and
-// C >= 2 * blockDim the table never fills and every probe ends.
-__device__ bool table_insert_min(u64* tab, int log2c, int pos, u32 value, int* claimed, int limit) {
-  const u32 mask = (1u << log2c) - 1;
+// before it claims, so at most limit + blockDim - 1 entries are ever claimed: with limit <= cap - blockDim
+// the table never fills and every probe ends. Without `claimed` (no more positions to insert than `limit`,
+// the common case), nothing is counted: one shared counter for every insert would serialize them.
+__device__ bool table_insert_min(u64* tab, u32 cap, int pos, u32 value, int* claimed, int limit) {
   const u64 entry = table_entry(pos, value);
-  for (u32 h = table_home(pos, log2c);; h = (h + 1) & mask) {
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     u64 cur = ((volatile u64*)tab)[h];
     if (cur == EMPTY_ENTRY) {
-      if (*(volatile int*)claimed >= limit) return false;
+      if (claimed != nullptr && *(volatile int*)claimed >= limit) return false;
       cur = atomicCAS(&tab[h], EMPTY_ENTRY, entry);
       if (cur == EMPTY_ENTRY) {
-        atomicAdd(claimed, 1);
+        if (claimed != nullptr) atomicAdd(claimed, 1);
         return true;
       }
     }
@@ -44,55 +49,67 @@ __device__ bool table_insert_min(u64* tab, int log2c, int pos, u32 value, int* c
 }
 
 // Inserts a position known to be absent (the positions of U are distinct).
-__device__ void table_insert_new(u64* tab, int log2c, int pos, u32 value) {
-  const u32 mask = (1u << log2c) - 1;
-  for (u32 h = table_home(pos, log2c);; h = (h + 1) & mask) {
+__device__ void table_insert_new(u64* tab, u32 cap, int pos, u32 value) {
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     if (atomicCAS(&tab[h], EMPTY_ENTRY, table_entry(pos, value)) == EMPTY_ENTRY) return;
   }
 }
 
-// Index of the entry of `pos`, or -1. Only the value halves may change while lookups run.
-__device__ int table_find(const u64* tab, int log2c, int pos) {
-  const u32 mask = (1u << log2c) - 1;
-  for (u32 h = table_home(pos, log2c);; h = (h + 1) & mask) {
+// The value recorded for `pos` (>= 0), or HS_NONE. Only value halves may change while lookups run.
+__device__ u32 table_value(const u64* tab, u32 cap, int pos) {
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     const u64 cur = tab[h];
-    if (entry_holds(cur, pos)) return (int)h;
-    if (cur == EMPTY_ENTRY) return -1;
+    if (entry_holds(cur, pos)) return (u32)cur;
+    if (cur == EMPTY_ENTRY) return HS_NONE;
   }
 }
 
-// Calls f(i, j, active) for the elements of the request's batch rows rows[0 .. n_rows), in request order
-// (row-major, rows ascending). Every thread calls f once per block-wide chunk (active is false past the
-// end of a row), so f may run block-wide scans. i * K + j is the element's flat index, which grows in
-// request order.
+// A request's scratch entry t is two words of the miss plan at the request's t-th element (below). Before the
+// plan is written, word 0 of entry t holds U's t-th position and its slot (HS_NONE until known) and word 1 of
+// entry m holds E[m], the slot miss m takes.
+__device__ __forceinline__ u64 u_word(int pos, u32 slot) { return ((u64)slot << 32) | (u32)pos; }
+__device__ __forceinline__ int u_pos(u64 word) { return (int)(u32)word; }
+__device__ __forceinline__ u32 u_slot(u64 word) { return (u32)(word >> 32); }
+
+__device__ __forceinline__ bool test_bit(const u32* bits, u32 s) { return (bits[s >> 5] >> (s & 31)) & 1; }
+
+// heat_row[page] += 1 for every lane whose page is >= 0, with one atomic per distinct page of the warp: a
+// step's selection crowds onto a few pages (the tail, the last turn), whose counters would otherwise take up
+// to 32 atomics from one warp. Every lane of the warp must call it.
+__device__ __forceinline__ void add_heat(int* heat_row, int page) {
+  const u32 peers = __match_any_sync(HS_FULL_MASK, page);
+  if (page >= 0 && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&heat_row[page], __popc(peers));
+}
+
+// Calls f(q, gi, active) for the elements of the request's batch rows rows[0 .. n_rows), in request order
+// (row-major, rows ascending): q = o * K + j is the element's index in the request, gi = rows[o] * K + j its
+// index in [R, K] arrays. Every thread calls f once per block-wide chunk (active is false past the end of a
+// row), so f may run block-wide scans, and an element always goes to the same thread.
 template <class F>
 __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, int K, F f) {
   for (int o = 0; o < n_rows; ++o) {
-    const int i = rows[o];
+    const u32 base = (u32)rows[o] * (u32)K;
     for (int j0 = 0; j0 < K; j0 += blockDim.x) {
       const int j = j0 + threadIdx.x;
-      f(i, j, j < K);
+      f((u32)(o * K + j), base + (u32)j, j < K);
     }
   }
 }
 
-// resolve(topk, row_state, g, layers) of SPEC.md for one index group, all requests in one launch.
+// resolve(topk, row_state, g) of SPEC.md for one index group, all requests in one launch, except the copies:
+// the request's misses go to `plan` / `plan_count` in the miss-plan format of SPEC.md, and hisparse_replay
+// copies them, spread over the whole GPU.
 //
 // grid = R (one CTA per batch row), RESOLVE_THREADS threads. The CTA of a request's first batch row
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
-// write -1. Dynamic shared memory, with C = 1 << log2c:
-//   u64 tab[C]                 hash table of positions (phase A: first occurrences; then the table of U)
-//   int upos[H]                the positions of U in order; later the positions of the misses in order
-//   int eslot[H]               E[0 .. |M|): the slots the misses take
-//   u32 hit_bits[ceil(H / 32)] slots of hits
-//   int rows[R]                the request's batch rows
-// The launcher picks C >= max(2 * H, 2 * blockDim). A request whose distinct valid positions exceed C / 2
-// leaves the hash for an exact, slower path of windows of C positions.
-//
-// layers holds 2 * L addresses: GPU slabs of the call's layers, then their host pools (pinned memory,
-// read in place through unified addressing). If miss_plan is not null, the pairs (GPU row, host row) of
-// the misses are written there for replay: the request's m-th miss goes to batch row (its o-th row, where
-// o = m / K) at column m % K, and miss_count[i] is the number of pairs in batch row i.
+// write -1. Dynamic shared memory, its size bounded by the selection and not by H:
+//   u64 tab[cap]              hash table of positions: first occurrences (phase A), then U -> index in U
+//   int rows[R]               the request's batch rows
+//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check), then slots of hits
+// A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
+// windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, E) lives in
+// the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and in windowed phase A the
+// request's entries of `out` mark U's members.
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone.
@@ -101,27 +118,25 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      const int* __restrict__ seq_lens, const int* __restrict__ block_table,
                      const int* __restrict__ host_table, const int* __restrict__ hot_blocks,
                      int* __restrict__ hot_pos, int* __restrict__ hot_lru, int* __restrict__ heat,
-                     int* __restrict__ status, u64* __restrict__ counters, const u64* __restrict__ layers,
-                     int* __restrict__ out, i64* __restrict__ miss_plan, int* __restrict__ miss_count, int R,
-                     int K, int P, int G, int H, int HB, int g, int L, int bs, int rb, int log2c) {
-  extern __shared__ u64 smem[];
+                     int* __restrict__ status, u64* __restrict__ counters, int* __restrict__ out,
+                     u64* __restrict__ plan, int* __restrict__ plan_count, int R, int K, int S, int P, int G,
+                     int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
+  HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_nu, s_hits;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status;
 
-  const int C = 1 << log2c;
   u64* tab = smem;
-  int* upos = (int*)(tab + C);
-  int* eslot = upos + H;
-  u32* hit_bits = (u32*)(eslot + H);
-  int* rows = (int*)(hit_bits + (H + 31) / 32);
+  int* rows = (int*)(tab + cap);
+  u32* bits = (u32*)(rows + R);
+  const int words = (H + 31) / 32;
 
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   const int i0 = blockIdx.x;
   const int r = row_state[i0];
-  if (r < 0) {
-    for (int j = tid; j < K; j += nt) out[(i64)i0 * K + j] = -1;
-    if (miss_count != nullptr && tid == 0) miss_count[i0] = 0;
+  if (r < 0 || r >= S) {  // a padding row; a state row that does not exist is a bad argument, skipped alike
+    for (int j = tid; j < K; j += nt) out[(u32)i0 * K + j] = -1;
+    if (tid == 0) plan_count[i0] = 0;
     return;
   }
   bool not_first = false;
@@ -136,300 +151,394 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     n_rows += total;
   }
 
-  const int seq_len = seq_lens[r];
   const int* bt_row = block_table + (i64)r * P;
   const int* ht_row = host_table + (i64)r * P;
   const int* hb_row = hot_blocks + (i64)r * HB;
   int* heat_row = heat + (i64)r * P;
   int* hp = hot_pos + ((i64)r * G + g) * H;
   int* lru = hot_lru + ((i64)r * G + g) * H;
+  const int raw_len = seq_lens[r];
+  const int len = min(max(raw_len, 0), P * bs);  // the launcher keeps P * bs below 2^31
+  const int limit = cap - cap / 4;                // cap / 4 >= blockDim: see table_insert_min
+  const u32 window = 2u * (u32)cap;               // positions per window: u32 words in tab's bytes
 
-  // -1 for padding and for positions outside [0, seq_len).
-  auto position = [&](int i, int j, bool active) {
-    const int pos = active ? topk[(i64)i * K + j] : -1;
-    return pos >= 0 && pos < seq_len ? pos : -1;
+  // -1 for padding and for positions outside [0, len).
+  auto position = [&](u32 gi, bool active) {
+    const int pos = active ? topk[gi] : -1;
+    return pos >= 0 && pos < len ? pos : -1;
   };
-  auto hot_row = [&](int slot) { return (i64)hb_row[slot / bs] * bs + slot % bs; };
+  // The page's block: 0 (not resident), a resident block, or -1 for an entry outside the slab (skipped).
+  auto block_of = [&](int pos) {
+    const int b = bt_row[pos / bs];
+    return b >= 0 && b < gpu_blocks ? b : -1;
+  };
+  auto hot_row = [&](u32 slot) { return hb_row[slot / bs] * bs + (int)(slot % bs); };
+  auto entry = [&](u32 t) { return plan + 2u * ((u32)rows[t / K] * (u32)K + t % K); };
 
-  // Phase A: heat of every distinct valid position, and U (distinct non-resident positions in order of
-  // first occurrence) into upos. First occurrence = the element whose flat index is the smallest of its
-  // position's.
-  for (int k = tid; k < C; k += nt) tab[k] = EMPTY_ENTRY;
+  // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
+  // the entries. First occurrence = the element whose request index q is the smallest of its position's.
+  for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
   if (tid == 0) {
     s_claimed = 0;
     s_full = 0;
-    s_nu = 0;
     s_hits = 0;
+    s_dup = 0;
+    s_host = 0;
+    s_status = raw_len == len ? 0 : HS_BAD_TABLE;
   }
   __syncthreads();  // also publishes rows
-  for_each_element(rows, n_rows, K, [&](int i, int j, bool active) {
-    const int pos = position(i, j, active);
-    if (pos >= 0 && !table_insert_min(tab, log2c, pos, (u32)(i * K + j), &s_claimed, C / 2)) s_full = 1;
+  int* claimed = n_rows * K > limit ? &s_claimed : nullptr;  // a selection larger than the table may fill it
+  for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+    const int pos = position(gi, active);
+    if (pos >= 0 && !table_insert_min(tab, cap, pos, q, claimed, limit)) s_full = 1;
   });
   __syncthreads();
 
-  int n;  // |U|; upos holds U when n <= H
+  int n = 0;  // |U|
   if (!s_full) {
-    n = 0;
-    for_each_element(rows, n_rows, K, [&](int i, int j, bool active) {
-      const int pos = position(i, j, active);
-      bool in_u = false;
-      if (pos >= 0 && (u32)tab[table_find(tab, log2c, pos)] == (u32)(i * K + j)) {
-        atomicAdd(&heat_row[pos / bs], 1);
-        in_u = bt_row[pos / bs] == 0;
-      }
+    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+      const int pos = position(gi, active);
+      const bool first = pos >= 0 && table_value(tab, cap, pos) == q;
+      add_heat(heat_row, first ? pos / bs : -1);
+      const int block = first ? block_of(pos) : 1;
+      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
       int total;
-      const int t = n + block_exclusive_scan(in_u, &total, warp_sums);
-      if (in_u && t < H) upos[t] = pos;
+      const int t = n + block_exclusive_scan(block == 0, &total, warp_sums);
+      if (block == 0) entry(t)[0] = u_word(pos, HS_NONE);
       n += total;
     });
   } else {
-    // More distinct positions than the table holds: take the positions in windows of C, where a
-    // direct-mapped array of first flat indices needs no probing, and order U afterwards by rank.
-    u32* first_at = (u32*)tab;      // C words: bytes [0, 4C) of tab
-    u64* found = tab + C / 2;       // C / 2 >= H entries (flat << 32 | pos): bytes [4C, 8C)
-    for (int w = 0; w < seq_len; w += C) {
-      for (int k = tid; k < C; k += nt) first_at[k] = NO_VALUE;
+    // More distinct positions than the table takes: windows of positions, where a direct-mapped array of
+    // first request indices needs no probing; out[gi] marks U's members (-1 for the others) until they are
+    // gathered in request order. for_each_element gives an element to one thread in every pass.
+    u32* first_at = (u32*)tab;
+    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+      if (active) out[gi] = -1;
+    });
+    for (u32 w = 0; w < (u32)len; w += window) {
+      for (u32 k = tid; k < window; k += nt) first_at[k] = HS_NONE;
       __syncthreads();
-      for_each_element(rows, n_rows, K, [&](int i, int j, bool active) {
-        const int pos = position(i, j, active);
-        if (pos >= w && pos - w < C) atomicMin(&first_at[pos - w], (u32)(i * K + j));
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        if (pos >= 0 && (u32)pos - w < window) atomicMin(&first_at[pos - w], q);
       });
       __syncthreads();
-      for_each_element(rows, n_rows, K, [&](int i, int j, bool active) {
-        const int pos = position(i, j, active);
-        if (pos >= w && pos - w < C && first_at[pos - w] == (u32)(i * K + j)) {
-          atomicAdd(&heat_row[pos / bs], 1);
-          if (bt_row[pos / bs] == 0) {
-            const int t = atomicAdd(&s_nu, 1);
-            if (t < H) found[t] = ((u64)(u32)(i * K + j) << 32) | (u32)pos;
-          }
-        }
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        const bool first = pos >= 0 && (u32)pos - w < window && first_at[pos - w] == q;
+        add_heat(heat_row, first ? pos / bs : -1);
+        const int block = first ? block_of(pos) : 1;
+        if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+        if (block == 0) out[gi] = pos;
       });
-      __syncthreads();
+      __syncthreads();  // first_at is cleared next
     }
-    n = s_nu;
-    if (n <= H) {
-      for (int a = tid; a < n; a += nt) {
-        const u64 key = found[a];
-        int rank = 0;
-        for (int b = 0; b < n; ++b) rank += found[b] < key;
-        upos[rank] = (int)(u32)key;
-      }
-    }
-    __syncthreads();
+    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+      const int pos = active ? out[gi] : -1;
+      int total;
+      const int t = n + block_exclusive_scan(pos >= 0, &total, warp_sums);
+      if (pos >= 0) entry(t)[0] = u_word(pos, HS_NONE);
+      n += total;
+    });
   }
 
-  const bool overflow = n > H || (n > 0 && hb_row[0] == 0);
-  bool ok = n > 0 && !overflow;
-  bool no_host = false;
+  // Runs consume(find), find(pos) = the index of pos in U or HS_NONE: through the hash table of U when U fits
+  // it (built when `build`; nothing else writes tab once it is), else once per window of positions, where
+  // find answers only for the window's positions: consumers act on found positions alone, so each acts once.
+  // Every consumer action is complete block-wide when it returns.
+  auto with_u_map = [&](bool build, auto consume) {
+    if (n <= limit) {
+      if (build) {
+        for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
+        __syncthreads();
+        for (int t = tid; t < n; t += nt) table_insert_new(tab, cap, u_pos(entry(t)[0]), t);
+        __syncthreads();
+      }
+      consume([&](int pos) { return pos >= 0 ? table_value(tab, cap, pos) : HS_NONE; });
+      __syncthreads();
+    } else {
+      u32* index_at = (u32*)tab;
+      for (u32 w = 0; w < (u32)len; w += window) {
+        for (u32 k = tid; k < window; k += nt) index_at[k] = HS_NONE;
+        __syncthreads();
+        for (int t = tid; t < n; t += nt) {
+          const int pos = u_pos(entry(t)[0]);
+          if ((u32)pos - w < window) index_at[pos - w] = t;
+        }
+        __syncthreads();
+        consume([&](int pos) { return pos >= 0 && (u32)pos - w < window ? index_at[pos - w] : HS_NONE; });
+        __syncthreads();
+      }
+    }
+  };
+
+  // Checks 1-3 of SPEC step 4: overflow, the hot blocks, hot_lru a permutation (bits: slots seen). Nothing
+  // reads U's entries before the barrier below; a request that stops here reads none.
+  bool ok = n > 0 && n <= H && hb_row[0] != 0;
+  if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
+  if (ok) {
+    bool bad = false;
+    for (int b = tid; b < HB; b += nt) bad |= hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;
+    for (int k = tid; k < words; k += nt) bits[k] = 0;
+    __syncthreads();  // bits are clear, U's entries complete
+    for (int k = tid; k < H; k += nt) {
+      const u32 s = (u32)lru[k];
+      if (s >= (u32)H) {
+        bad = true;
+      } else {
+        const u32 m = 1u << (s & 31);
+        bad |= (atomicOr(&bits[s >> 5], m) & m) != 0;
+      }
+    }
+    ok = !__syncthreads_or(bad);
+    if (!ok && tid == 0) s_status |= HS_BAD_HOT;
+  }
+
+  // Phase B: hits. A slot holding a position of U claims the position's entry; a second slot holding it is
+  // corrupt state (check 3). bits now marks the slots of hits.
   int n_miss = 0;
   if (ok) {
-    // Phase B: the table now maps each position of U to its hit slot (NO_VALUE for a miss).
-    for (int k = tid; k < C; k += nt) tab[k] = EMPTY_ENTRY;
-    for (int k = tid; k < (H + 31) / 32; k += nt) hit_bits[k] = 0;
-    __syncthreads();
-    for (int t = tid; t < n; t += nt) table_insert_new(tab, log2c, upos[t], NO_VALUE);
-    __syncthreads();
-    int my_hits = 0;
-    for (int s = tid; s < H; s += nt) {
-      const int p = hp[s];
-      const int e = p >= 0 ? table_find(tab, log2c, p) : -1;
-      if (e >= 0) {
-        tab[e] = table_entry(p, (u32)s);  // one slot per position: no other writer
-        atomicOr(&hit_bits[s >> 5], 1u << (s & 31));
-        ++my_hits;
+    for (int k = tid; k < words; k += nt) bits[k] = 0;
+    with_u_map(true, [&](auto find) {
+      int hits = 0;
+      for (int s = tid; s < H; s += nt) {
+        const int pos = hp[s];
+        const u32 t = find(pos);
+        if (t == HS_NONE) continue;
+        if (atomicCAS(entry(t), u_word(pos, HS_NONE), u_word(pos, s)) == u_word(pos, HS_NONE)) {
+          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          ++hits;
+        } else {
+          s_dup = 1;
+        }
       }
-    }
-    if (my_hits > 0) atomicAdd(&s_hits, my_hits);
-    __syncthreads();
+      if (hits > 0) atomicAdd(&s_hits, hits);
+    });
+    ok = !s_dup;
+    if (!ok && tid == 0) s_status |= HS_BAD_HOT;
+  }
+  // Check 4: every miss's page has a host copy inside the pool.
+  if (ok) {
+    int flags = 0;
     for (int t = tid; t < n; t += nt) {
-      const int pos = upos[t];
-      no_host |= (u32)tab[table_find(tab, log2c, pos)] == NO_VALUE && ht_row[pos / bs] < 0;
+      const u64 word = entry(t)[0];
+      if (u_slot(word) != HS_NONE) continue;
+      const int host_block = ht_row[u_pos(word) / bs];
+      flags |= host_block < 0 ? HS_NO_HOST_COPY : host_block >= host_blocks ? HS_BAD_TABLE : 0;
     }
-    no_host = __syncthreads_or(no_host);
-    ok = !no_host;
-    if (ok) n_miss = n - s_hits;
+    if (flags != 0) atomicOr(&s_host, flags);
+    __syncthreads();
+    ok = s_host == 0;
+    if (!ok && tid == 0) s_status |= s_host;
+    n_miss = n - s_hits;
   }
 
   if (ok) {
-    // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to eslot; E[|M| ..) move to the
-    // front, in place: an entry moves to an index no larger than its own, and each chunk is read
+    // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries; E[|M| ..) move to
+    // the front, in place: an entry moves to an index no larger than its own, and each chunk is read
     // completely before it is written (the scan's barrier).
     int e_base = 0;
     for (int k0 = 0; k0 < H; k0 += nt) {
       const int k = k0 + tid;
-      int s = 0;
+      u32 s = 0;
       bool evictable = false;
       if (k < H) {
-        s = lru[k];
-        evictable = !((hit_bits[s >> 5] >> (s & 31)) & 1);
+        s = (u32)lru[k];
+        evictable = !test_bit(bits, s);
       }
       int total;
       const int e = e_base + block_exclusive_scan(evictable, &total, warp_sums);
       if (evictable) {
         if (e < n_miss) {
-          eslot[e] = s;
+          entry(e)[1] = s;
         } else {
-          lru[e - n_miss] = s;
+          lru[e - n_miss] = (int)s;
         }
       }
       e_base += total;
     }
 
-    // Phase D: U in order. Miss m takes slot E[m]; every slot of U goes to the LRU tail in U's order;
-    // upos[m] becomes the position of miss m (m <= t, and upos[t] of this chunk was read before the scan).
+    // Phase D: U in order. Miss m takes slot E[m]; every slot of U goes to the LRU tail in U's order.
     int m_base = 0;
     for (int t0 = 0; t0 < n; t0 += nt) {
       const int t = t0 + tid;
-      int pos = 0;
-      int e = 0;
-      u32 slot = 0;
+      u64 word = 0;
       bool miss = false;
       if (t < n) {
-        pos = upos[t];
-        e = table_find(tab, log2c, pos);
-        slot = (u32)tab[e];
-        miss = slot == NO_VALUE;
+        word = entry(t)[0];
+        miss = u_slot(word) == HS_NONE;
+      }
+      int total;
+      const int m = m_base + block_exclusive_scan(miss, &total, warp_sums);
+      if (t < n) {
+        u32 slot = u_slot(word);
+        if (miss) {
+          slot = (u32)entry(m)[1];
+          entry(t)[0] = u_word(u_pos(word), slot);
+        }
+        hp[slot] = u_pos(word);
+        lru[H - n + t] = (int)slot;
+      }
+      m_base += total;
+    }
+    __syncthreads();  // U's slots are complete
+  }
+
+  // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
+  for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+    if (!active) return;
+    const int pos = position(gi, true);
+    const int block = pos >= 0 ? block_of(pos) : -1;
+    out[gi] = block > 0 ? block * bs + pos % bs : -1;
+  });
+  if (ok) {
+    with_u_map(false, [&](auto find) {
+      for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        if (pos < 0 || block_of(pos) != 0) return;
+        const u32 t = find(pos);
+        if (t != HS_NONE) out[gi] = hot_row(u_slot(entry(t)[0]));
+      });
+    });
+
+    // Phase F: the plan. Misses (the slots of U that held no hit) in U's order, compacted in place: miss m
+    // lands in entry m <= t, and each chunk is read before it is written (the scan's barrier).
+    int m_base = 0;
+    for (int t0 = 0; t0 < n; t0 += nt) {
+      const int t = t0 + tid;
+      u64 word = 0;
+      bool miss = false;
+      if (t < n) {
+        word = entry(t)[0];
+        miss = !test_bit(bits, u_slot(word));
       }
       int total;
       const int m = m_base + block_exclusive_scan(miss, &total, warp_sums);
       if (miss) {
-        slot = (u32)eslot[m];
-        tab[e] = table_entry(pos, slot);
-        hp[slot] = pos;
-        upos[m] = pos;
+        const int pos = u_pos(word);
+        u64* pair = entry(m);
+        pair[0] = (u64)(i64)hot_row(u_slot(word));
+        pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
       }
-      if (t < n) lru[H - n + t] = (int)slot;
       m_base += total;
     }
-    __syncthreads();
-
-    // Phase E: the misses' rows, for every layer of the call.
-    const int nv = rb >> 4;
-    copy_chunks((i64)n_miss * L * nv, tid, nt, [&](i64 q, const uint4** src, uint4** dst) {
-      const int c = (int)(q % nv);
-      const i64 job = q / nv;
-      const int m = (int)(job % n_miss);
-      const int l = (int)(job / n_miss);
-      const int pos = upos[m];
-      const i64 host_row = (i64)ht_row[pos / bs] * bs + pos % bs;
-      *src = (const uint4*)(layers[L + l] + host_row * rb) + c;
-      *dst = (uint4*)(layers[l] + hot_row(eslot[m]) * rb) + c;
-      return true;
-    });
   }
-
-  if (miss_plan != nullptr) {
-    for (int o = 0; o < n_rows; ++o) {
-      const int i = rows[o];
-      const int count = min(max(n_miss - o * K, 0), K);
-      for (int q = tid; q < count; q += nt) {
-        const int m = o * K + q;
-        const int pos = upos[m];
-        i64* pair = miss_plan + ((i64)i * K + q) * 2;
-        pair[0] = hot_row(eslot[m]);
-        pair[1] = (i64)ht_row[pos / bs] * bs + pos % bs;
-      }
-      if (tid == 0) miss_count[i] = count;
-    }
-  }
-
-  // Phase F: row ids. The table answers the slot of every position of U.
-  for_each_element(rows, n_rows, K, [&](int i, int j, bool active) {
-    if (!active) return;
-    const int pos = position(i, j, active);
-    int row = -1;
-    if (pos >= 0) {
-      const int block = bt_row[pos / bs];
-      if (block != 0) {
-        row = block * bs + pos % bs;
-      } else if (ok) {
-        row = (int)hot_row((int)(u32)tab[table_find(tab, log2c, pos)]);
-      }
-    }
-    out[(i64)i * K + j] = row;
-  });
+  const int planned = ok ? n_miss : 0;
+  for (int o = tid; o < n_rows; o += nt) plan_count[rows[o]] = min(max(planned - o * K, 0), K);
 
   if (tid == 0) {
-    if (overflow) {
-      status[r] |= 1;
-    } else if (no_host) {
-      status[r] |= 2;
-    }
+    if (s_status != 0) status[r] |= s_status;
     if (ok) {
-      const int n_hit = n - n_miss;
-      atomicAdd(&counters[0], (u64)n_hit);
+      atomicAdd(&counters[0], (u64)(n - n_miss));
       atomicAdd(&counters[1], (u64)n_miss);
       atomicAdd(&counters[2], (u64)n_miss * (u64)rb * (u64)L);
     }
   }
 }
 
-// invalidate(pairs) of SPEC.md. grid = (n, G), 256 threads. The CTA of the first pair of a state row
-// handles all pairs of that row for group blockIdx.y, in pair order. Dynamic shared memory: int
-// emptied[min(H, n)] (emptied slots in pair order), then u32 bits[ceil(H / 32)] (the same slots as a set).
-// A pair with a negative position matches no slot: only empty slots hold -1.
-extern "C" __global__ void __launch_bounds__(256)
+// A set of positions (>= 0) in `cap` u32 entries, HS_NONE when empty; it is never full.
+__device__ void set_insert(u32* keys, u32 cap, int pos) {
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
+    const u32 cur = atomicCAS(&keys[h], HS_NONE, (u32)pos);
+    if (cur == HS_NONE || cur == (u32)pos) return;
+  }
+}
+
+__device__ bool set_contains(const u32* keys, u32 cap, int pos) {
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
+    if (keys[h] == (u32)pos) return true;
+    if (keys[h] == HS_NONE) return false;
+  }
+}
+
+// invalidate(pairs) of SPEC.md. grid = (S, G), INVALIDATE_THREADS threads: CTA (r, g) takes the pairs of
+// state row r (a row outside [0, S) matches no CTA) in passes of INVALIDATE_BATCH pairs, each a set of their
+// positions and one sweep of the slots. Dynamic shared memory: u32 keys[2 * INVALIDATE_BATCH], then u32
+// emptied[ceil(H / 32)] and u32 seen[ceil(H / 32)] (bits of slots).
+extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
     hisparse_invalidate(const int* __restrict__ pairs, int n, int* __restrict__ hot_pos,
                         int* __restrict__ hot_lru, int G, int H) {
-  extern __shared__ int emptied[];
+  HS_DYNAMIC_SHARED(u32, keys);
   __shared__ int warp_sums[32];
-  __shared__ int s_found;
 
+  const u32 cap = 2 * INVALIDATE_BATCH;
+  const int words = (H + 31) / 32;
+  u32* emptied = keys + cap;
+  u32* seen = emptied + words;
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
-  const int p = blockIdx.x;
-  const int g = blockIdx.y;
-  const int r = pairs[2 * p];
-  if (r < 0) return;
-  bool not_first = false;
-  for (int k = tid; k < p; k += nt) not_first |= pairs[2 * k] == r;
-  if (__syncthreads_or(not_first)) return;
+  const int r = blockIdx.x;
+  int* hp = hot_pos + ((i64)r * G + blockIdx.y) * H;
+  int* lru = hot_lru + ((i64)r * G + blockIdx.y) * H;
+  if (n <= 0) return;
 
-  u32* bits = (u32*)(emptied + min(H, n));
-  int* hp = hot_pos + ((i64)r * G + g) * H;
-  int* lru = hot_lru + ((i64)r * G + g) * H;
-  for (int k = tid; k < (H + 31) / 32; k += nt) bits[k] = 0;
-
-  int n_emptied = 0;
-  for (int q = p; q < n; ++q) {
-    const int pos = pairs[2 * q + 1];
-    if (pairs[2 * q] != r || pos < 0) continue;
-    if (tid == 0) s_found = -1;
+  for (int k = tid; k < words; k += nt) emptied[k] = 0;
+  bool any_emptied = false;
+  for (int b0 = 0; b0 < n; b0 += INVALIDATE_BATCH) {
+    // Most CTAs find no pair of their row: they read the pairs and go on.
+    const int b1 = min(n, b0 + INVALIDATE_BATCH);
+    bool mine = false;
+    for (int p = b0 + tid; p < b1 && !mine; p += nt) mine = pairs[2 * p] == r && pairs[2 * p + 1] >= 0;
+    if (!__syncthreads_or(mine)) continue;
+    for (u32 k = tid; k < cap; k += nt) keys[k] = HS_NONE;
     __syncthreads();
+    for (int p = b0 + tid; p < b1; p += nt) {
+      const int pos = pairs[2 * p + 1];
+      if (pairs[2 * p] == r && pos >= 0) set_insert(keys, cap, pos);
+    }
+    __syncthreads();
+    bool hit = false;
     for (int s = tid; s < H; s += nt) {
-      if (hp[s] == pos) s_found = s;  // at most one slot holds a position
-    }
-    __syncthreads();
-    const int s = s_found;
-    if (s >= 0) {
-      if (tid == 0) {
+      const int pos = hp[s];
+      if (pos >= 0 && set_contains(keys, cap, pos)) {
         hp[s] = -1;
-        emptied[n_emptied] = s;
-        bits[s >> 5] |= 1u << (s & 31);
+        atomicOr(&emptied[s >> 5], 1u << (s & 31));
+        hit = true;
       }
-      ++n_emptied;
     }
-    __syncthreads();  // s_found is reset next, and the next search must see hp[s] == -1
+    any_emptied |= __syncthreads_or(hit);
   }
-  if (n_emptied == 0) return;
+  if (!any_emptied) return;
+
+  // The LRU is rewritten only if it is a permutation; resolve flags it otherwise.
+  for (int k = tid; k < words; k += nt) seen[k] = 0;
+  __syncthreads();
+  bool bad = false;
+  for (int k = tid; k < H; k += nt) {
+    const u32 s = (u32)lru[k];
+    if (s >= (u32)H) {
+      bad = true;
+    } else {
+      const u32 m = 1u << (s & 31);
+      bad |= (atomicOr(&seen[s >> 5], m) & m) != 0;
+    }
+  }
+  if (__syncthreads_or(bad)) return;
 
   // Kept slots slide to the back in their order, from the last chunk to the first: an entry moves to an
   // index no smaller than its own, and each chunk is read completely before it is written.
   int kept_above = 0;
   for (int k_end = H; k_end > 0; k_end -= nt) {
     const int k = k_end - 1 - tid;
-    int s = 0;
+    u32 s = 0;
     bool keep = false;
     if (k >= 0) {
-      s = lru[k];
-      keep = !((bits[s >> 5] >> (s & 31)) & 1);
+      s = (u32)lru[k];
+      keep = !test_bit(emptied, s);
     }
     int total;
     const int above = kept_above + block_exclusive_scan(keep, &total, warp_sums);
-    if (keep) lru[H - 1 - above] = s;
+    if (keep) lru[H - 1 - above] = (int)s;
     kept_above += total;
   }
-  for (int e = tid; e < n_emptied; e += nt) lru[e] = emptied[e];
+  // The emptied slots take the front, in slot order.
+  int e_base = 0;
+  for (int s0 = 0; s0 < H; s0 += nt) {
+    const int s = s0 + tid;
+    const bool e = s < H && test_bit(emptied, (u32)s);
+    int total;
+    const int at = e_base + block_exclusive_scan(e, &total, warp_sums);
+    if (e) lru[at] = s;
+    e_base += total;
+  }
 }

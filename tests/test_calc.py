@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import math
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    from hisparse import calc
-except ImportError:  # the package __init__ may need the compiled core; calc itself does not
-    _spec = importlib.util.spec_from_file_location(
-        "hisparse_calc_standalone", Path(__file__).resolve().parents[1] / "python" / "hisparse" / "calc.py"
-    )
-    calc = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = calc
-    _spec.loader.exec_module(calc)
+from hisparse.tools import calc
 
 GIB = 2**30
 KV_178 = 17.8 * GIB

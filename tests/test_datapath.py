@@ -3,15 +3,15 @@ reference, which turns raw buffers into (mutable) slices with the GIL released."
 
 import inspect
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from plans import plan as make_plan
 
-from hisparse import DataPath, InvalidArgumentError, Layout, ResidencyManager
-from hisparse.datapath import _check_disjoint, resolve_reference
+from hisparse import DataPath, InvalidArgumentError, Layout, ResidencyManager, _core
+from hisparse.datapath import RESOLVE_FIELDS, _check_disjoint, resolve_reference
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
                 hot_rows=16, row_bytes=16, layer_groups=(0, 1, 1))
@@ -27,7 +27,7 @@ def filled(layout: Layout = LAYOUT, **adopted) -> DataPath:
     gen = torch.Generator().manual_seed(0)
     for t in [*dp.gpu, *dp.host]:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
-    dp.apply(fake_plan(**VALID))
+    dp.apply(make_plan(**VALID))
     return dp
 
 
@@ -57,7 +57,7 @@ def reference_kwargs(dp: DataPath, group: int = 0) -> dict:
     return dict(
         topk=torch.zeros(2, TOP_K, dtype=torch.int32),
         row_state=torch.tensor([0, 1], dtype=torch.int32),
-        **dp.state,
+        **{name: dp.state[name] for name in RESOLVE_FIELDS},
         gpu_layers=[dp.gpu[layer] for layer in layers],
         host_layers=[dp.host[layer] for layer in layers],
         group=group,
@@ -229,7 +229,7 @@ def test_resolve_names_a_group_out_of_range(group):
     dp = filled()
     before = snapshot(dp)
     topk, row_state = torch.zeros(1, TOP_K, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    with pytest.raises(InvalidArgumentError, match=rf"group {group} is out of range: the layout has 2 index groups"):
+    with pytest.raises(InvalidArgumentError, match=rf"group must be an integer in 0..1, not int {group}"):
         dp.resolve(topk, row_state, group=group)
     with pytest.raises(InvalidArgumentError, match=rf"group {group} is out of range"):
         resolve_reference(**{**reference_kwargs(dp), "group": group})
@@ -238,52 +238,49 @@ def test_resolve_names_a_group_out_of_range(group):
 
 @pytest.mark.parametrize("layer", [3, -1])
 def test_gather_names_a_layer_out_of_range(layer):
-    with pytest.raises(InvalidArgumentError, match=rf"layer {layer} is out of range"):
+    with pytest.raises(InvalidArgumentError, match=rf"layer must be an integer in 0..2, not int {layer}"):
         filled().gather(torch.zeros(1, 2, dtype=torch.int32), layer)
 
 
 def test_invalidate_wants_pairs():
     dp = filled()
     before = snapshot(dp)
-    with pytest.raises(InvalidArgumentError, match="pairs"):
-        dp.invalidate([(0, 1, 2), (0, 3, 4)])  # six numbers: three pairs to Rust if not caught
+    for bad in ([(0, 1, 2), (0, 3, 4)], [(0, 1), (2,)], [(0, 1.5)], [(True, 1)], [(2**40, 0)], "ab", 7):
+        with pytest.raises(InvalidArgumentError, match="pairs"):
+            dp.invalidate(bad)
     assert_unchanged(dp, before)
 
 
 # ------------------------------------------------------------------ 4. plans are checked before they are applied
 
 
-def fake_plan(**fields) -> SimpleNamespace:
-    empty = dict(cleared_rows=[], seq_lens=[], table_updates=[], hot_updates=[], restores=[], materialize=[])
-    return SimpleNamespace(**{**empty, **fields})
-
-
 # Touches every part of the state and both copy directions; each bad plan below comes after these entries,
 # so that an apply writing as it goes would have changed something before it failed.
 VALID = dict(
     cleared_rows=[5],
-    seq_lens=[(0, 9), (1, 96)],
-    table_updates=[(0, 0, 1, -1), (0, 1, 2, 7), (1, 23, 39, 39)],
+    scheduled=[(7, 0, 0, 9), (2**64 - 1, 1, 95, 1)],
+    seq_lens=[(0, 9, 7), (1, 96, 2**64 - 1)],
+    table_updates=[(0, 0, 1, -1, False), (0, 1, 2, 7, True), (1, 23, 39, 39, False)],
     hot_updates=[(0, [3, 4, 5, 6]), (1, [])],
     restores=[(8, 9)],
     materialize=[(1, 10, 11)],
 )
+# The wire carries u32: a negative row or length arrives as a huge value (host blocks are signed).
 BAD = {
     "cleared row 6": dict(cleared_rows=[6]),
-    "cleared row -1": dict(cleared_rows=[-1]),
-    "state row 6": dict(seq_lens=[(6, 1)]),
-    "seq_len 97": dict(seq_lens=[(2, 97)]),
-    "seq_len -1": dict(seq_lens=[(2, -1)]),
-    "page 24": dict(table_updates=[(2, 24, 1, -1)]),
-    "GPU block 40": dict(table_updates=[(2, 0, 40, -1)]),
-    "host block 160": dict(table_updates=[(2, 0, 1, 160)]),
-    "host block -2": dict(table_updates=[(2, 0, 1, -2)]),
-    "state row -1": dict(table_updates=[(-1, 0, 1, -1)]),
-    "hot region length 5": dict(hot_updates=[(2, [1, 2, 3, 4, 5])]),
-    "hot GPU block 40": dict(hot_updates=[(2, [1, 40])]),
-    "copied GPU block 40": dict(restores=[(40, 1)]),
+    "cleared row 4294967295": dict(cleared_rows=[-1]),
+    "state row 6": dict(seq_lens=[(6, 1, 3)]),
+    "seq_len 97": dict(seq_lens=[(2, 97, 3)]),
+    "page 24": dict(table_updates=[(2, 24, 1, -1, False)]),
+    "GPU block 40": dict(table_updates=[(2, 0, 40, -1, False)]),
+    "host block 160": dict(table_updates=[(2, 0, 1, 160, False)]),
+    "host block -2": dict(table_updates=[(2, 0, 1, -2, False)]),
+    "hot GPU block 40": dict(hot_updates=[(2, [1, 2, 3, 40])]),
+    "hot GPU block 0": dict(hot_updates=[(2, [1, 2, 3, 0])]),
+    "scheduled row 6": dict(scheduled=[(1, 6, 0, 1)]),
+    "restored GPU block 40": dict(restores=[(40, 1)]),
     "copied host block 160": dict(materialize=[(2, 1, 160)]),
-    "copied host block -1": dict(restores=[(1, -1)]),
+    "restored host block 4294967295": dict(restores=[(1, -1)]),
 }
 
 
@@ -291,10 +288,49 @@ BAD = {
 def test_a_plan_outside_the_layout_changes_nothing(what):
     dp = filled()
     before = snapshot(dp)
-    plan = fake_plan(**{k: v + BAD[what].get(k, []) for k, v in VALID.items()})
+    plan = make_plan(**{k: v + BAD[what].get(k, []) for k, v in VALID.items()})
     with pytest.raises(InvalidArgumentError, match=f"the plan's {what} is outside"):
         dp.apply(plan)
     assert_unchanged(dp, before)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(hot_updates=[(2, [1, 2, 3, 4, 5])]), "hot update of 4 blocks in a plan of 5-block hot regions"),
+        (dict(restores=[(12, 1), (12, 2)]), "restores two pages into GPU block 12"),
+        (dict(materialize=[(2, 1, 20), (3, 2, 20)]), "copies two pages into host block 20"),
+    ],
+)
+def test_a_plan_with_a_bad_hot_region_or_a_destination_twice_changes_nothing(bad, message):
+    dp = filled()
+    before = snapshot(dp)
+    with pytest.raises(InvalidArgumentError, match=message):
+        dp.apply(make_plan(**{k: v + bad.get(k, []) for k, v in VALID.items()}))
+    assert_unchanged(dp, before)
+
+
+def test_apply_wants_a_step_plan_and_never_a_short_one():
+    dp = filled()
+    before = snapshot(dp)
+    for bad in (None, b"HSPL", dict(VALID)):
+        with pytest.raises(InvalidArgumentError, match="StepPlan"):
+            dp.apply(bad)
+    with pytest.raises(InvalidArgumentError, match="short plan"):
+        dp.apply(make_plan(missing_blocks=3))
+    assert_unchanged(dp, before)
+
+
+def test_the_device_path_of_apply_equals_the_reference():
+    """``_apply_torch`` is what a CUDA worker runs; on CPU tensors it must leave exactly what Rust leaves."""
+    ref, torch_path = filled(), filled()
+    hot = [(0, [3, 4, 5, 6]), (1, []), (4, [7, 8, 9, 10])]
+    plan = make_plan(**{**VALID, "cleared_rows": [5, 4], "hot_updates": hot})
+    ref.apply(plan)
+    torch_path._apply_torch(plan)
+    assert_unchanged(torch_path, snapshot(ref))
+    assert ref.state["row_request"][1] == -1  # u64::MAX as its int64 bits
+    assert ref.state["releasable"][0, 1] == 1 and ref.state["host_table"][0, 1] == 7
 
 
 def manager(**larger) -> ResidencyManager:
@@ -321,7 +357,7 @@ def test_a_plan_from_a_larger_manager_changes_nothing(larger, requests, refused)
         m.admit(rid, n)
     plan = m.plan_step([(rid, n) for rid, n in enumerate(requests, start=1)])
     assert plan.ok
-    with pytest.raises(InvalidArgumentError, match=f"the plan's {refused} is outside .* of this data path's layout"):
+    with pytest.raises(InvalidArgumentError, match=f"the plan's {refused} is outside .* of this worker's layout"):
         dp.apply(plan)
     assert_unchanged(dp, before)
 
@@ -335,3 +371,43 @@ def test_resolve_reference_takes_no_miss_plan():
     dp = filled()
     with pytest.raises(TypeError):
         resolve_reference(**reference_kwargs(dp), miss_plan=torch.zeros(2 * TOP_K, 2, dtype=torch.int64))
+
+
+def test_the_device_path_of_heat_summary_equals_the_reference():
+    """``_heat_summary_torch`` (ranked on the device, encoded on the host) reports and decays exactly what the
+    Rust reference does, ties included (equal heat ranks the older page first)."""
+    gen = torch.Generator().manual_seed(3)
+    ref = filled()
+    ref.apply(make_plan(seq_lens=[(2, 50, 11), (3, 1, 12)], scheduled=[(11, 2, 0, 50), (12, 3, 0, 1)],
+                        table_updates=[(2, p, 1 + p, p, p % 3 != 0) for p in range(13)]))
+    ref.state["heat"].copy_(torch.randint(0, 4, ref.state["heat"].shape, generator=gen, dtype=torch.int32))
+    other = filled()
+    for name, t in ref.state.items():
+        other.state[name].copy_(t)
+    for coldest, hottest in ((3, 2), (100, 0), (0, 5), (4, 100)):
+        want, got = ref.heat_summary(coldest, hottest), other._heat_summary_torch(coldest, hottest)
+        assert _core.decode_heat_summary(got) == _core.decode_heat_summary(want)
+        assert torch.equal(ref.state["heat"], other.state["heat"])
+    ranked = {rid: (cold, hot) for rid, cold, hot in _core.decode_heat_summary(ref.heat_summary(100, 4))}
+    assert set(ranked) == {7, 11, 12, 2**64 - 1}  # the rows of VALID and the two above
+    assert [page for _, page in ranked[11][0]] == sorted(p for p in range(13) if p % 3)  # heat decayed to 0
+    assert ranked[11][1] == []  # all 8 releasable pages are among the coldest: none is left to be hottest
+
+
+def test_apply_checks_again_after_a_tensor_is_replaced():
+    """apply caches its checks across steps; replacing a state tensor, the slab or the pool is noticed."""
+    dp = filled()
+    dp.apply(make_plan())  # checked and cached
+    before = snapshot(dp)
+    heat = dp.state["heat"]
+    dp.state["heat"] = dp.state["block_table"]  # aliases another tensor apply writes
+    with overlap_error("block_table", "heat"):
+        dp.apply(make_plan())
+    dp.state["heat"] = heat
+    gpu = dp.gpu
+    dp.gpu = [gpu[0], gpu[0], gpu[2]]
+    with overlap_error("gpu layer 0", "gpu layer 1"):
+        dp.apply(make_plan())
+    dp.gpu = gpu
+    dp.apply(make_plan())
+    assert_unchanged(dp, before)

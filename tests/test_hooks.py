@@ -1,21 +1,23 @@
 """The engine hooks: string ids, the per-step call order (refused clearly when wrong), and a byte-checked loop."""
 
+import pickle
+
 import pytest
 import torch
 
-from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError
+from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError, _core
 from hisparse.hooks import CallOrderError, SchedulerHooks, StepResults, WorkerHooks, WorkerStep
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=200, block_size=8, max_model_len=256, max_running=4,
                 hot_rows=32, row_bytes=32, layer_groups=(0, 0, 1))
 
 
-def pair(layout=LAYOUT, **kw):
+def pair(layout=LAYOUT, heat_interval=32, **kw):
     sched = SchedulerHooks(num_gpu_blocks=layout.num_gpu_blocks, num_host_blocks=layout.num_host_blocks,
                            block_size=layout.block_size, max_model_len=layout.max_model_len,
                            max_running=layout.max_running, top_k=16, hot_rows=layout.hot_rows,
                            num_index_groups=layout.num_groups, page_bytes=layout.page_bytes, **kw)
-    return sched, WorkerHooks.build(layout)
+    return sched, WorkerHooks.build(layout, heat_interval=heat_interval)
 
 
 def content(rid: str, positions: torch.Tensor, layer: int) -> torch.Tensor:
@@ -65,7 +67,7 @@ def test_call_order_errors_are_clear_and_change_nothing():
         sched.apply_results(results)
     # The right order still works after all those refusals.
     step2 = sched.plan_step([("a", 1)])
-    step3_never = WorkerStep(step2.step + 1, step2.plan, step2.requests)
+    step3_never = WorkerStep(step2.step + 1, step2.plan, step2.request_ids)
     with pytest.raises(CallOrderError, match="skips step 2"):
         worker.apply(step3_never)
     worker.apply(step2)
@@ -114,7 +116,7 @@ def test_string_ids_map_to_core_ids():
 
 
 def test_a_loop_reads_back_every_byte_through_the_hooks():
-    sched, worker = pair()
+    sched, worker = pair(heat_interval=1)
     ids = ["a", "b", "c"]
     for rid in ids:
         sched.admit(rid, 60, max_len=120)
@@ -140,7 +142,9 @@ def test_a_loop_reads_back_every_byte_through_the_hooks():
                     dense = worker.gather(row_ids, layer)[0, : len(pos)]
                     assert torch.equal(dense, content(rid, pos, layer)), (rid, start, layer)
     results = worker.end_step()
-    assert results.step == step.step + 1 and set(results.heat) == set(ids)
+    assert results.step == step.step + 1
+    summary = {rid: cold for rid, cold, _ in _core.decode_heat_summary(results.heat)}
+    assert set(summary) == {sched.core_id(rid) for rid in ids}  # every running request is ranked
     sched.apply_results(results)
     m = sched.metrics()
     assert m["misses"] > 0 and m["hits"] >= 0 and m["h2d_bytes"] > 0 and m["transitions"] > 0
@@ -192,19 +196,84 @@ def test_register_uses_the_engines_tensors():
     sched.apply_results(worker.end_step())
 
 
-def test_mirror_copies_rewritten_rows_with_a_host_copy():
-    sched, worker = pair()
-    sched.admit("a", 16)
-    worker.apply(sched.plan_step([("a", 16)]))
-    sched.apply_results(worker.end_step())
-    step = sched.plan_step([("a", 1)])  # plans the host copy of the two complete pages
+def test_what_crosses_between_the_halves_pickles():
+    sched, worker = pair(heat_interval=1)
+    sched.admit("a", 40)
+    step = pickle.loads(pickle.dumps(sched.plan_step([("a", 40)])))
+    assert step.request("a").row == sched.request_info("a")["row"] and step.requests[0].seq_len == 40
     worker.apply(step)
-    assert step.plan.materialize
-    row = worker.row("a")
-    # An engine that rewrites an already durable row (e.g. a speculative rollback): pretend page 2 is durable.
-    worker.dp.state["host_table"][row, 2] = 7
-    pos = torch.tensor([16])
-    worker.write("a", pos, 0, torch.full((1, LAYOUT.row_bytes), 5, dtype=torch.uint8))
-    assert worker.mirror_written() == 1
-    assert bool((worker.dp.host[0, 7 * LAYOUT.block_size] == 5).all())
+    results = pickle.loads(pickle.dumps(worker.end_step()))
+    sched.apply_results(results)
+    step = sched.plan_step([("a", 1)])  # copies the five complete pages (40 tokens of 8) to the host
+    assert len(step.plan.transfer_ids) == 5
+    same = pickle.loads(pickle.dumps(step))
+    assert same.plan == step.plan and same.plan.to_bytes() == step.plan.to_bytes()
+    worker.apply(same)
+    sched.apply_results(pickle.loads(pickle.dumps(worker.end_step())))
+    assert sched.capacity()["pending_transfers"] == 0
+
+
+def test_heat_summaries_come_every_interval_and_the_counts_halve():
+    sched, worker = pair(heat_interval=3)
+    worker.heat_coldest, worker.heat_hottest = 3, 2
+    sched.admit("a", 64)
+    heats = []
+    for n in (64, 1, 1, 1, 1, 1):
+        step = sched.plan_step([("a", n)])
+        worker.apply(step)
+        worker.resolve(torch.arange(16, dtype=torch.int32)[None], ["a"])  # pages 0 and 1, 8 positions each
+        results = worker.end_step()
+        heats.append(results.heat)
+        sched.apply_results(results)
+    # Summaries come early (steps 1 and 2: powers of two below the interval), then every 3 steps.
+    assert [h is not None for h in heats] == [True, True, True, False, False, True]
+    row = sched.request_info("a")["row"]
+    # Pages 0 and 1 gain 8 per step and halve at each summary: 8 -> 4, 12 -> 6, 14 -> 7, 15, 23, 31 -> 15.
+    assert worker.dp.state["heat"][row, :3].tolist() == [15, 15, 0]
+    (rid, coldest, hottest), = _core.decode_heat_summary(heats[-1])
+    assert rid == sched.core_id("a")
+    # Six releasable pages (eight, less the tail of two): the three coldest never selected, pages 0 and 1 hottest.
+    assert coldest == [(0, 2), (0, 3), (0, 4)] and hottest == [(31, 0), (31, 1)]
+
+
+def test_rows_admitted_from_the_host_serve_their_own_request_before_they_are_scheduled():
+    """A request admitted from a host prefix has a length before its first step: the worker must know its
+    request from the plan that sets that length, or its heat would be reported for another (regression)."""
+    from hisparse import DataPath, ResidencyManager
+    from hisparse.scenario import Driver
+
+    m = ResidencyManager(num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
+                         block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len,
+                         max_running=LAYOUT.max_running, top_k=16, hot_rows=LAYOUT.hot_rows,
+                         num_index_groups=LAYOUT.num_groups, page_bytes=LAYOUT.page_bytes)
+    d = Driver(m, DataPath(LAYOUT), top_k=16)
+    d.admit(0, 41, family=1, shared_tokens=40)
+    d.step([(0, 41)])
+    d.step([(0, 0)])
+    d.close()
+    d.finish(0)  # five prefix pages are durable on the host
+    for rid in (1, 2):
+        assert d.admit(rid, 41, family=1, shared_tokens=40).cached_tokens == 40
+    d.step([(1, 1)])  # request 2 is not scheduled, yet its row has a length
+    summary = {rid: cold for rid, cold, _ in _core.decode_heat_summary(d.dp.heat_summary(8))}
+    assert set(summary) == {d.core(1), d.core(2)}
+    d.close()
+
+
+def test_the_slot_mapping_of_a_step_is_every_token_rows_in_order():
+    sched, worker = pair()
+    for rid, n in (("a", 20), ("b", 3), ("c", 41)):
+        sched.admit(rid, n)
+    step = sched.plan_step([("a", 20), ("b", 3), ("c", 41)])
+    worker.apply(step)
+    want = torch.cat([worker.token_rows(r.request_id, torch.arange(r.start, r.seq_len)) for r in step.requests])
+    assert torch.equal(worker.slot_mapping(), want) and want.numel() == 64
+    assert torch.equal(worker.dp._slot_mapping_torch(step.plan), want)  # the device path, on CPU tensors
     sched.apply_results(worker.end_step())
+    step = sched.plan_step([("c", 1), ("a", 1)])
+    worker.apply(step)
+    assert worker.slot_mapping().tolist() == [worker.token_rows("c", torch.tensor([41])).item(),
+                                              worker.token_rows("a", torch.tensor([20])).item()]
+    sched.apply_results(worker.end_step())
+    with pytest.raises(CallOrderError):
+        worker.slot_mapping()

@@ -1,4 +1,5 @@
-"""Every kernel compiles with NVRTC for the supported GPU generations, without local-memory spills.
+"""Every kernel compiles with NVRTC for every architecture CI checks (sm_80, sm_90, sm_100, sm_120), without
+local-memory spills, within the static shared memory the launch arithmetic counts.
 
 Runs on CPU: NVRTC needs no GPU. Run with -s to see the register report.
 """
@@ -7,9 +8,9 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from hisparse.kernels import compiler  # noqa: E402
+from hisparse.kernels import compiler, launch  # noqa: E402
 
-ARCHS = ("sm_80", "sm_90", "sm_100")
+ARCHS = launch.COMPILED_ARCHS
 
 
 @pytest.fixture(autouse=True)
@@ -27,10 +28,11 @@ def test_compiles_to_cubin_without_spills(source, arch):
     for kernel, res in sorted(module.resources.items()):
         print(
             f"\n{kernel:22s} {arch:7s} {res.registers:3d} registers/thread, stack {res.stack_bytes} B, "
-            f"spill stores {res.spill_stores} B, spill loads {res.spill_loads} B",
+            f"spill stores {res.spill_stores} B, spill loads {res.spill_loads} B, static smem {res.shared_bytes} B",
             end="",
         )
         assert res.spill_stores == 0 and res.spill_loads == 0, f"{kernel} spills on {arch}: {res}"
+        assert res.shared_bytes <= launch.STATIC_SHARED.get(kernel, 0), f"{kernel} on {arch}: {res.shared_bytes} B"
 
 
 def test_ptx_target():
@@ -63,7 +65,8 @@ def test_compile_report():
     rows = compiler.compile_report(ARCHS)
     kernels = {k for ks in compiler.KERNELS.values() for k in ks}
     assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in ARCHS}
-    assert all(set(r) == {"kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_bytes"} for r in rows)
+    fields = {"kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_bytes", "shared_bytes"}
+    assert all(set(r) == fields for r in rows)
 
 
 def test_select_arch():
@@ -86,15 +89,15 @@ def test_parse_resources():
 ptxas info    : Compiling entry function 'k1' for 'sm_90'
 ptxas info    : Function properties for k1
 ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
-ptxas info    : Used 40 registers, used 1 barriers
+ptxas info    : Used 40 registers, used 1 barriers, 144 bytes smem, 392 bytes cmem[0]
 ptxas info    : Compiling entry function 'k2' for 'sm_90'
 ptxas info    : Function properties for k2
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 12 registers, used 0 barriers
 """
     assert compiler.parse_resources(log) == {
-        "k1": compiler.KernelResources(40, 4, 12, 8),
-        "k2": compiler.KernelResources(12, 0, 0, 0),
+        "k1": compiler.KernelResources(40, 4, 12, 8, 144),
+        "k2": compiler.KernelResources(12, 0, 0, 0, 0),
     }
 
 

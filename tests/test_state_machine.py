@@ -1,6 +1,10 @@
-"""The residency core and the CPU data path under random serving: every step keeps the invariants, and
-every written row reads back exactly through ``resolve``."""
+"""The residency core and the CPU data path under random serving, driven through the engine hooks with
+copies reported late, out of order and failed: every step keeps the invariants, and every written row reads
+back exactly through ``resolve``."""
 
+from dataclasses import replace
+
+import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -52,6 +56,7 @@ class Serving(RuleBasedStateMachine):
             room = spec.max_len - spec.written
             if mask >> (i % 6) & 1 and room > 0:
                 scheduled.append((rid, min(chunk, room)))
+        self.d.close(deliver=0.0)  # hold every finished copy back: they come late, with a later step
         before = self.m.stats()
         plan = self.d.step(scheduled)
         if not plan.ok:
@@ -67,7 +72,28 @@ class Serving(RuleBasedStateMachine):
 
     @rule(fraction=st.floats(0, 1), fail=st.sampled_from([0.0, 0.0, 0.3]))
     def complete(self, fraction, fail):
-        self.d.complete(fraction, fail)
+        self.d.close(fraction, fail)
+
+    @precondition(lambda self: self.d.open is not None)
+    @rule(flaw=st.sampled_from(["unknown", "twice", "both", "ragged heat", "negative count"]))
+    def refused_report_then_the_right_one(self, flaw):
+        """A report the scheduler refuses changes nothing; the corrected one is then taken."""
+        results = self.d.worker.end_step()
+        self.d.open = None
+        done = results.completed
+        bad = {
+            "unknown": replace(results, completed=(*done, 10**9)),
+            "twice": replace(results, completed=done + done[:1] if done else (10**9,)),
+            "both": replace(results, completed=done, failed=done[:1] if done else (10**9,)),
+            "ragged heat": replace(results, heat=b"HSHT" + bytes(4)),
+            "negative count": replace(results, hits=-1),
+        }[flaw]
+        before = (self.m.stats(), self.d.sched.metrics())
+        with pytest.raises(InvalidArgumentError):
+            self.d.sched.apply_results(bad)
+        assert (self.m.stats(), self.d.sched.metrics()) == before
+        self.m.check_invariants()
+        self.d.sched.apply_results(results)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 5))
@@ -75,16 +101,15 @@ class Serving(RuleBasedStateMachine):
         rid = self.running.pop(i % len(self.running))
         if rid not in self.unsynced:
             self.d.verify_all(rid)
-        self.m.finish(rid)
+        self.d.finish(rid)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 5))
     def preempt(self, i):
         rid = self.running.pop(i % len(self.running))
-        kept = self.m.preempt(rid)
-        spec = self.d.specs[rid]
-        assert kept <= spec.written and kept % LAYOUT.block_size == 0
-        spec.written = kept
+        written = self.d.specs[rid].written
+        kept = self.d.preempt(rid)
+        assert kept <= written and kept % LAYOUT.block_size == 0
         self.preempted.append(rid)
 
     @precondition(lambda self: self.preempted)
@@ -92,7 +117,7 @@ class Serving(RuleBasedStateMachine):
     def resume(self, i):
         rid = self.preempted[i % len(self.preempted)]
         try:
-            a = self.m.resume(rid)
+            a = self.d.resume(rid)
         except CapacityError:
             return
         assert a.cached_tokens == self.d.specs[rid].written
@@ -108,9 +133,9 @@ class Serving(RuleBasedStateMachine):
         assert s["running"] == len(self.running) and s["preempted"] == len(self.preempted)
         tail = self.m.config()["tail_pages"]
         for rid in self.running:
-            states = self.m.page_states(rid)
+            states = self.m.page_states(self.d.core(rid))
             assert "host_only" not in states[-tail:], f"request {rid}: tail host-only {states}"
-            for state, (gpu, host) in zip(states, self.m.block_table(rid), strict=True):
+            for state, (gpu, host) in zip(states, self.m.block_table(self.d.core(rid)), strict=True):
                 if state == "host_only":
                     assert gpu == 0 and host >= 0
 
@@ -118,7 +143,7 @@ class Serving(RuleBasedStateMachine):
     def one_request_reads_back_everything(self):
         synced = [rid for rid in self.running if rid not in self.unsynced]
         if synced:
-            self.d.verify_all(synced[len(self.d.in_flight) % len(synced)])
+            self.d.verify_all(synced[len(self.d.withheld) % len(synced)])
 
 
 class FifoServing(Serving):

@@ -1,97 +1,166 @@
-"""Typed stubs of the Rust extension ``hisparse._core``."""
+"""Typed stubs of the Rust extension ``hisparse._core``.
+
+Integer arguments must be integers (``int`` or anything with ``__index__``; never ``bool`` or ``float``) in the
+range the core takes: sizes, lengths, token counts 0..2**32, request and transfer ids 0..2**64, page hashes
+-2**63..2**64. Anything else raises :class:`hisparse.InvalidArgumentError` naming the argument. Every call that
+can refuse checks everything first: when it raises, nothing changed.
+
+Threads: one :class:`ResidencyManager` may be shared. Calls run with the GIL released and are serialized by a
+lock inside (taken after the GIL is released, so waiting never blocks other Python threads); a read such as
+``stats()`` beside a serving loop waits for the current call and never fails.
+"""
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, SupportsIndex
 
 Residency = Literal["full", "mixed", "none"]
 Policy = Literal["coldest", "fifo", "resident"]
 Buf = tuple[int, int]
+Int = int | SupportsIndex
 
 __version__: str
 
 class Admission:
+    """What ``admit`` and ``resume`` return."""
+
     @property
-    def row(self) -> int: ...
+    def row(self) -> int:
+        """The request's state row on the worker."""
     @property
-    def cached_tokens(self) -> int: ...
+    def cached_tokens(self) -> int:
+        """Tokens whose KV the request already has (host prefix hits, or its kept pages); compute the rest."""
     @property
     def residency(self) -> Residency: ...
 
 class StepPlan:
-    """One step's work for the worker; see ``hisparse-core``'s ``StepPlan`` for the order to apply it in."""
+    """One step's work for the worker, applied in this order before the forward: cleared rows; the rows'
+    requests, lengths, table entries and hot regions; restores (host -> GPU); page copies (GPU -> host).
+
+    A frozen value. It pickles as its flat encoding (``to_bytes``), the form a worker applies in one call; the
+    list views below are built on access."""
 
     @property
-    def ok(self) -> bool: ...
+    def ok(self) -> bool:
+        """False for a short plan: it changed nothing and must not be applied."""
     @property
     def missing_blocks(self) -> int: ...
     @property
     def cleared_rows(self) -> list[int]: ...
     @property
-    def seq_lens(self) -> list[tuple[int, int]]: ...
+    def seq_lens(self) -> list[tuple[int, int, int]]:
+        """(row, seq_len, request_id): a row's length after the step and the request it serves."""
     @property
-    def table_updates(self) -> list[tuple[int, int, int, int]]:
-        """(row, page, gpu_block or 0, host_block or -1)"""
+    def table_updates(self) -> list[tuple[int, int, int, int, bool]]:
+        """(row, page, gpu_block or 0, host_block or -1, releasable)"""
     @property
-    def hot_updates(self) -> list[tuple[int, list[int]]]: ...
+    def hot_updates(self) -> list[tuple[int, list[int]]]:
+        """(row, blocks); no blocks: the row holds no hot region any more."""
     @property
     def restores(self) -> list[tuple[int, int]]:
         """(gpu_block, host_block) to copy host -> GPU before the forward."""
     @property
     def materialize(self) -> list[tuple[int, int, int]]:
-        """(transfer_id, gpu_block, host_block) to copy GPU -> host; report through ``complete``."""
+        """(transfer_id, gpu_block, host_block) to copy GPU -> host; report each through ``apply_results``."""
     @property
     def transfer_ids(self) -> list[int]: ...
     @property
+    def scheduled(self) -> list[tuple[int, int, int, int]]:
+        """(request_id, row, start, new_tokens) per scheduled request, in the order given to ``plan_step``."""
+    @property
+    def num_scheduled(self) -> int: ...
+    @property
+    def rows(self) -> list[int]:
+        """The state row of each scheduled request, in order."""
+    @property
     def transitions(self) -> list[tuple[int, Residency, Residency]]: ...
+    @property
+    def num_transitions(self) -> int: ...
     @property
     def released_pages(self) -> int: ...
     @property
     def lost_pages(self) -> int: ...
+    def to_bytes(self) -> bytes:
+        """The flat encoding (``cuda/SPEC.md``, "apply")."""
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray) -> StepPlan:
+        """Reads ``to_bytes`` back; refuses anything it did not write."""
 
 class ResidencyManager:
+    """The scheduler-side residency manager: admission, step plans, the pressure policy, the worker's feedback.
+
+    Safe to share between threads (see the module docstring)."""
+
     def __init__(
         self,
         *,
-        num_gpu_blocks: int,
-        block_size: int = 64,
-        max_model_len: int,
-        num_host_blocks: int | None = None,
+        num_gpu_blocks: Int,
+        max_model_len: Int,
+        block_size: Int | None = 64,
+        num_host_blocks: Int | None = None,
         host_pool_gib: float | None = None,
-        page_bytes: int = 0,
-        max_running: int = 256,
-        top_k: int = 2048,
-        hot_rows: int | None = None,
-        speculative_tokens: int = 0,
-        num_index_groups: int = 1,
-        tail_pages: int = 2,
-        watermark: int | None = None,
-        policy: Policy = "coldest",
-        materialize_budget: int = 256,
-    ) -> None: ...
+        page_bytes: Int | None = 0,
+        max_running: Int | None = 256,
+        top_k: Int | None = 2048,
+        hot_rows: Int | None = None,
+        speculative_tokens: Int | None = 0,
+        num_index_groups: Int | None = 1,
+        tail_pages: Int | None = 2,
+        watermark: Int | None = None,
+        policy: Policy | None = "coldest",
+        materialize_budget: Int | None = 256,
+    ) -> None:
+        """Give exactly one of ``num_host_blocks`` and ``host_pool_gib`` (with ``page_bytes``). ``hot_rows``
+        defaults to 2 x top_k, or (q + 1) x top_k with q speculative tokens; ``watermark`` to one hot region or a
+        tenth of the pool. Raises ``ConfigError`` saying what to change."""
     def admit(
-        self, request_id: int, prompt_len: int, prefix_hashes: Sequence[int] = ..., max_len: int | None = None
-    ) -> Admission: ...
-    def resume(self, request_id: int) -> Admission: ...
-    def plan_step(self, scheduled: Sequence[tuple[int, int]]) -> StepPlan: ...
-    def complete(self, transfer_ids: Sequence[int], ok: bool = True) -> None: ...
-    def report_heat(self, request_id: int, pages: Sequence[int], heat: Sequence[int]) -> None: ...
-    def add_page_hashes(self, request_id: int, hashes: Sequence[int]) -> None: ...
-    def finish(self, request_id: int) -> None: ...
-    def preempt(self, request_id: int) -> int: ...
-    def check_invariants(self) -> None: ...
-    def __contains__(self, request_id: int) -> bool: ...
+        self, request_id: Int, prompt_len: Int, prefix_hashes: Sequence[Int] | None = None, max_len: Int | None = None
+    ) -> Admission:
+        """Admits a request whose full prompt pages hash to ``prefix_hashes`` (a chain); pages durable on the host
+        are not computed again. ``CapacityError`` (``.resource``) when it cannot be backed now."""
+    def resume(self, request_id: Int) -> Admission:
+        """Brings a preempted request back from its kept host pages."""
+    def plan_step(self, scheduled: Sequence[tuple[Int, Int]]) -> StepPlan:
+        """Plans one step: (request_id, new_tokens) pairs. A short plan (``ok`` False) changed nothing."""
+    def complete(self, transfer_ids: Sequence[Int], ok: bool | None = True) -> None:
+        """Ends copies to the host (``ok`` False: failed, copied again later)."""
+    def apply_results(
+        self,
+        completed: Sequence[Int] | None = None,
+        failed: Sequence[Int] | None = None,
+        heat: bytes | bytearray | None = None,
+    ) -> None:
+        """One worker report, atomically: copies that ended or failed, and an encoded heat summary
+        (``DataPath.heat_summary``). Heat of requests that left meanwhile is skipped."""
+    def add_page_hashes(self, request_id: Int, hashes: Sequence[Int]) -> None:
+        """Page hashes continuing the admission chain (e.g. for generated tokens), published once durable."""
+    def finish(self, request_id: Int) -> None: ...
+    def preempt(self, request_id: Int) -> int:
+        """Stops a request; returns the tokens kept on the host."""
+    def check_invariants(self) -> None:
+        """Recomputes every invariant; ``InvariantError`` names the first broken one."""
+    def __contains__(self, request_id: object) -> bool: ...
     def request_ids(self) -> list[int]: ...
-    def request_info(self, request_id: int) -> dict[str, int | str | None]: ...
-    def block_table(self, request_id: int) -> list[tuple[int, int]]: ...
-    def page_states(self, request_id: int) -> list[str]: ...
-    def hot_blocks(self, request_id: int) -> list[int]: ...
+    def request_info(self, request_id: Int) -> dict[str, int | str | None]:
+        """``row`` (None when preempted), ``seq_len``, ``residency``, ``num_pages``, ``host_only_pages``,
+        ``released_pages``, ``hot_blocks``."""
+    def block_table(self, request_id: Int) -> list[tuple[int, int]]:
+        """(gpu_block or 0, host_block or -1) per page."""
+    def page_states(self, request_id: Int) -> list[str]: ...
+    def hot_blocks(self, request_id: Int) -> list[int]: ...
     def stats(self) -> dict[str, int]: ...
     def capacity_log(self) -> str: ...
     def steady_state_concurrency(self) -> int: ...
     def config(self) -> dict[str, int | str]: ...
 
-def steady_state_blocks(*, seq_len: int, block_size: int, hot_rows: int, tail_pages: int, groups: int) -> int: ...
+def steady_state_blocks(*, seq_len: Int, block_size: Int, hot_rows: Int, tail_pages: Int, groups: Int) -> int: ...
 def kernel_sources() -> list[tuple[str, str]]: ...
+def decode_heat_summary(
+    data: bytes | bytearray,
+) -> list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]]:
+    """(request_id, coldest [(heat, page), ...], hottest [...]) per request of an encoded heat summary, each part
+    in ascending (heat, page) order."""
+
+# The CPU reference over raw (address, length) buffers; ``hisparse.datapath`` checks every tensor first.
 def _ref_resolve(
     geometry: tuple[int, int, int, int, int],
     state: Sequence[Buf],
@@ -108,6 +177,23 @@ def _ref_copy(
     pairs: Buf, unit: int, row_bytes: int, to_host: bool, gpu_layers: Sequence[Buf], host_layers: Sequence[Buf]
 ) -> None: ...
 def _ref_invalidate(geometry: tuple[int, int, int, int, int], hot_pos: Buf, hot_lru: Buf, pairs: Buf) -> None: ...
+class ApplyBuffers:
+    """The checked buffers ``_ref_apply`` writes, kept across steps by ``DataPath``."""
+
+    def __init__(
+        self,
+        geometry: tuple[int, int, int, int, int],
+        state: Sequence[Buf],
+        gpu: Sequence[Buf],
+        host: Sequence[Buf],
+    ) -> None: ...
+
+def _ref_apply(plan: StepPlan, buffers: ApplyBuffers) -> None: ...
+def _ref_heat_summary(tables: Sequence[Buf], pages: int, block_size: int, coldest: int, hottest: int) -> bytes: ...
+def _encode_heat_summary(bufs: Sequence[Buf], pages: int, coldest: int, hottest: int) -> bytes: ...
+def _check_plan(
+    plan: StepPlan, geometry: tuple[int, int, int, int, int], rows: int, gpu_blocks: int, host_blocks: int
+) -> None: ...
 
 class PoolPolicy:
     """Release and reuse order over a block pool that another engine (vLLM) owns; see ``pool_policy.rs``."""

@@ -20,19 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from . import _core
-from .errors import InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError
 
-STATE_FIELDS = (
-    "seq_lens",
-    "block_table",
-    "host_table",
-    "hot_blocks",
-    "hot_pos",
-    "hot_lru",
-    "heat",
-    "status",
-    "counters",
-)
+#: The resolver's state (cuda/SPEC.md), in the order ``resolve`` takes it.
+RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_lru", "heat", "status",
+                  "counters")
+#: What ``apply`` writes, in the order ``_core._ref_apply`` takes it.
+APPLY_FIELDS = ("seq_lens", "block_table", "host_table", "releasable", "row_request", "hot_blocks", "hot_pos",
+                "hot_lru", "heat", "status")
+#: What ``heat_summary`` reads (and decays), in the order ``_core._ref_heat_summary`` takes it.
+HEAT_FIELDS = ("seq_lens", "releasable", "row_request", "heat")
+_DTYPES = {"releasable": torch.uint8, "row_request": torch.int64, "counters": torch.int64}
 
 
 def _buf(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
@@ -153,9 +151,177 @@ def resolve_reference(
     )
 
 
+def _device(device: object) -> torch.device:
+    """``cpu`` or an available CUDA device."""
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device must be 'cpu' or a CUDA device, not {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"a data path lives on the CPU or a CUDA device, not {dev.type!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"{dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    return dev
+
+
+def _describe(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {list(v.shape)}"
+    return f"{type(v).__name__} {v!r}"
+
+
+def _index(v: object, name: str, end: int) -> int:
+    """An int in ``0 .. end - 1`` (never a bool, a float, or a negative index that Python would wrap)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < end:
+        raise InvalidArgumentError(f"{name} must be an integer in 0..{end - 1}, not {_describe(v)}")
+    return v
+
+
+def _positions(positions: object, low: int, end: int, device: torch.device) -> torch.Tensor:
+    """Token positions as int64 on ``device``, each in ``low .. end - 1``: an integer tensor (or a sequence of
+    ints), never floats, never a value that a cast would wrap. Checked where they are: positions on the host
+    cost the device nothing; positions already on a device are read back to be checked (a wait)."""
+    t = positions if isinstance(positions, torch.Tensor) else _as_int64(positions, "positions")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 1:
+        raise InvalidArgumentError(f"positions must be a 1-D integer tensor, not {_describe(t)}")
+    if t.numel():
+        lo, hi = t.aminmax()
+        if int(lo) < low or int(hi) >= end:
+            raise InvalidArgumentError(f"positions must be in {low}..{end - 1} (got {int(lo)}..{int(hi)})")
+    return t.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _as_int64(values: object, name: str) -> torch.Tensor:
+    """A sequence of Python ints as an int64 tensor, refusing bools, floats and values beyond int64."""
+    try:
+        items = list(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a sequence of integers, not {_describe(values)}") from None
+    flat = [x for item in items for x in (item if isinstance(item, (tuple, list)) else (item,))]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in flat):
+        raise InvalidArgumentError(f"{name} must hold integers only")
+    if any(not -(2**63) <= x < 2**63 for x in flat):
+        raise InvalidArgumentError(f"{name} holds a value outside the int64 range")
+    try:
+        return torch.tensor(items, dtype=torch.int64)
+    except ValueError:  # ragged
+        raise InvalidArgumentError(f"{name} must be a sequence of equal-length tuples of integers") from None
+
+
+def _pairs(pairs: object, name: str, limits: tuple[int, int], distinct: int | None = None) -> torch.Tensor:
+    """``pairs`` as an int64 [n, 2] CPU tensor whose columns are within ``0 .. limits[c] - 1`` (negative
+    entries are padding, skipped by every copy); with ``distinct`` = c, no value repeats in column c (a copy's
+    destinations, which must not be written twice)."""
+    t = pairs if isinstance(pairs, torch.Tensor) else _as_int64(pairs, name)
+    if t.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 2 or t.shape[1] != 2:
+        raise InvalidArgumentError(f"{name} must be [n, 2] integer pairs, not {_describe(t)}")
+    t = t.to(device="cpu", dtype=torch.int64)
+    for c, end in enumerate(limits):
+        if int(t[:, c].max()) >= end:
+            raise InvalidArgumentError(f"{name} column {c} must be below {end}, got {int(t[:, c].max())}")
+    if distinct is not None:
+        live = t[(t >= 0).all(dim=1), distinct]
+        if live.unique().numel() != live.numel():
+            raise InvalidArgumentError(f"{name} writes one destination twice")
+    return t.contiguous()
+
+
+class _State(dict):
+    """The state tensors by name; counts replacements, so that checks made once stay valid until one."""
+
+    version = 0
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def update(self, *args, **kwargs) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+
+class HeatSummaryInFlight:
+    """A heat summary on its way to the host: ``ready()`` says whether ``take()`` would not wait."""
+
+    def __init__(self, encoded: bytes | None = None):
+        self._encoded = encoded
+        self._host: tuple[torch.Tensor, ...] = ()
+        self._event = None
+        self._shape = (0, 0, 0)
+
+    @classmethod
+    def copy_back(cls, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int, int]) -> HeatSummaryInFlight:
+        """Copies the ranked keys and counts (coldest, hottest), row requests and row lengths to pinned memory
+        without waiting; ``shape`` is (pages, coldest, hottest)."""
+        out = cls()
+        device = tensors[0].device
+        pin = device.type == "cuda"
+        out._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
+        for host, t in zip(out._host, tensors, strict=True):
+            host.copy_(t, non_blocking=pin)
+        if pin:
+            out._event = torch.cuda.Event()
+            out._event.record()
+        out._shape = shape
+        return out
+
+    def ready(self) -> bool:
+        return self._encoded is not None or self._event is None or self._event.query()
+
+    def take(self) -> bytes:
+        if self._encoded is None:
+            if self._event is not None:
+                self._event.synchronize()
+            names = ("cold_keys", "cold_counts", "hot_keys", "hot_counts", "row_request", "seq_lens")
+            bufs = [_buf(t, name, t.dtype) for t, name in zip(self._host, names, strict=True)]
+            self._encoded = _core._encode_heat_summary(bufs, *self._shape)
+            self._host = ()
+        return self._encoded
+
+
+class _PlanSections:
+    """The sections of an encoded plan (``StepPlan.to_bytes``, SPEC.md "apply") as tensor spans, so that the
+    device path scatters whole sections without looking at any entry in Python."""
+
+    HEADER = 14  # magic, version, missing, released, lost, hot_blocks, then 8 counts
+
+    def __init__(self, data: bytes):
+        raw = bytearray(data)
+        words = torch.frombuffer(raw, dtype=torch.int32)
+        header = words[: self.HEADER].tolist()
+        self.hot_blocks = header[5]
+        counts = dict(zip(("cleared", "seq_lens", "table", "hot", "restores", "materialize", "scheduled",
+                           "transitions"), header[6:], strict=True))
+        widths = dict(cleared=1, seq_lens=2, table=5, hot=2 + self.hot_blocks, restores=2, materialize=2,
+                      scheduled=3, transitions=2)
+        self.spans: dict[str, tuple[int, int]] = {}
+        at = self.HEADER
+        for name, n in counts.items():
+            self.spans[name] = (at, at + n * widths[name])
+            at += n * widths[name]
+        at += at % 2  # the u64 sections start at an 8-byte boundary
+        self.words = words[: at]
+        tail = len(raw) - 4 * at
+        self.longs = (torch.frombuffer(raw, dtype=torch.int64, offset=4 * at) if tail
+                      else torch.zeros(0, dtype=torch.int64))
+        self.long_spans: dict[str, tuple[int, int]] = {}
+        lat = 0
+        for name in ("materialize", "seq_lens", "scheduled", "transitions"):
+            self.long_spans[name] = (lat, lat + counts[name])
+            lat += counts[name]
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of one data path. ``layer_groups[l]`` is the index group of sparse layer ``l``."""
+    """Sizes of one data path. ``layer_groups[l]`` is the index group of sparse layer ``l``;
+    ``rows_per_request``: the batch rows one request resolves together (1 + speculative tokens), which sizes
+    resolve's hash table (more rows still resolve exactly, more slowly)."""
 
     num_gpu_blocks: int
     num_host_blocks: int
@@ -165,17 +331,29 @@ class Layout:
     hot_rows: int
     row_bytes: int
     layer_groups: tuple[int, ...] = (0,)
+    rows_per_request: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_groups, list):  # frozen, so kept as a tuple (a list would make it unhashable)
+            object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
         for name in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running",
-                     "hot_rows", "row_bytes"):
+                     "hot_rows", "row_bytes", "rows_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, not {value!r}")
         if self.row_bytes % 16:  # the kernels move rows in 16-byte vectors
             raise InvalidArgumentError(f"row_bytes ({self.row_bytes}) must be a multiple of 16")
-        if not self.layer_groups or sorted(set(self.layer_groups)) != list(range(max(self.layer_groups) + 1)):
-            raise InvalidArgumentError("layer_groups must name every group from 0 up")
+        groups = self.layer_groups
+        if not isinstance(groups, (tuple, list)) or not groups or any(
+                isinstance(g, bool) or not isinstance(g, int) for g in groups) or sorted(set(groups)) != list(
+                range(max(groups) + 1)):
+            raise InvalidArgumentError(f"layer_groups must name every group from 0 up, not {groups!r}")
+        from .kernels.launch import check_datapath  # what a kernel launch would refuse, refused now
+
+        check_datapath(hot_rows=self.hot_rows, block_size=self.block_size, gpu_blocks=self.num_gpu_blocks,
+                       host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, row_bytes=self.row_bytes,
+                       batch_rows=self.max_running * self.rows_per_request, rows_per_request=self.rows_per_request,
+                       layers=self.num_layers, groups=self.num_groups)
 
     @property
     def num_layers(self) -> int:
@@ -209,6 +387,8 @@ def _adopt(layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: tor
     if isinstance(gpu, torch.Tensor):
         checks = [("gpu", gpu, (layout.num_layers, rows, rb))]
     else:
+        if not isinstance(gpu, (list, tuple)):
+            raise InvalidArgumentError(f"gpu must be a tensor or a list of layer tensors, not {type(gpu).__name__}")
         if len(gpu) != layout.num_layers:
             raise InvalidArgumentError(f"give {layout.num_layers} layer tensors, not {len(gpu)}")
         checks = [(f"gpu layer {i}", t, (rows, rb)) for i, t in enumerate(gpu)]
@@ -248,10 +428,12 @@ class DataPath:
         gpu: torch.Tensor | Sequence[torch.Tensor] | None = None,
         host: torch.Tensor | None = None,
     ):
+        if not isinstance(layout, Layout):
+            raise InvalidArgumentError(f"layout must be a Layout, not {type(layout).__name__}")
         if (gpu is None) != (host is None):
             raise InvalidArgumentError("adopt both the slab and the host pool, or neither")
         self.layout = layout
-        self.device = _adopt(layout, gpu, host) if gpu is not None else torch.device(device)
+        self.device = _adopt(layout, gpu, host) if gpu is not None else _device(device)
         lay, dev = layout, self.device
         s, p, g, h = lay.max_running, lay.max_pages, lay.num_groups, lay.hot_rows
         i32 = dict(dtype=torch.int32, device=dev)
@@ -263,7 +445,7 @@ class DataPath:
                                    dtype=torch.uint8, device=dev)
             self.host = torch.zeros(lay.num_layers, lay.num_host_blocks * lay.block_size, lay.row_bytes,
                                     dtype=torch.uint8, pin_memory=dev.type == "cuda")
-        self.state: dict[str, torch.Tensor] = {
+        self.state: dict[str, torch.Tensor] = _State({
             "seq_lens": torch.zeros(s, **i32),
             "block_table": torch.zeros(s, p, **i32),
             "host_table": torch.full((s, p), -1, **i32),
@@ -273,96 +455,219 @@ class DataPath:
             "heat": torch.zeros(s, p, **i32),
             "status": torch.zeros(s, **i32),
             "counters": torch.zeros(3, dtype=torch.int64, device=dev),
-        }
+            # What only apply and heat_summary use: the pages the core may release, and each row's request.
+            "releasable": torch.zeros(s, p, dtype=torch.uint8, device=dev),
+            "row_request": torch.full((s,), -1, dtype=torch.int64, device=dev),
+        })
+        self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
+        self._cpu = dev.type == "cpu"
+        self._mover: tuple | None = None  # the side-stream page mover, built on the first CUDA apply
+        self._slots: tuple = (None, None)  # (plan, its slot mapping) of the last apply on CPU
+        self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
 
-    def apply(self, plan: _core.StepPlan) -> list[int]:
-        """Applies a plan in its documented order and runs its copies; returns the transfer ids started.
+    def apply(self, plan: _core.StepPlan) -> torch.cuda.Event | None:
+        """Applies a plan in SPEC.md's order (tables, hot regions, restores, then page copies to the host).
 
-        On CPU the copies are done when this returns; the caller reports them to the manager whenever it
-        likes (late or out of order is fine).
+        On CPU one Rust call does it all and the copies are done when it returns (returns None). On CUDA the
+        plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
+        page copies run as DMA on a side stream (``kernels.transfer.PageMover``): restores land before the next
+        forward, and the returned event (None without page copies) passes once the copies to the host are
+        durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
+        plan from a manager sized differently is refused before anything is written.
         """
-        self._check_plan(plan)
-        st, dev = self.state, self.device
-        for row in plan.cleared_rows:
-            st["seq_lens"][row] = 0
-            st["block_table"][row] = 0
-            st["host_table"][row] = -1
-            st["heat"][row] = 0
-            st["status"][row] = 0
-            self._reset_hot(row, [])
-        if plan.seq_lens:
-            rows, lens = zip(*plan.seq_lens, strict=True)
-            st["seq_lens"][list(rows)] = torch.tensor(lens, dtype=torch.int32, device=dev)
-        updates = plan.table_updates
-        if updates:
-            t = torch.tensor(updates, dtype=torch.int64)
-            idx = (t[:, 0].to(dev), t[:, 1].to(dev))
-            st["block_table"][idx] = t[:, 2].to(torch.int32).to(dev)
-            st["host_table"][idx] = t[:, 3].to(torch.int32).to(dev)
-        for row, blocks in plan.hot_updates:
-            self._reset_hot(row, blocks)
-        if plan.restores:
-            self.copy_blocks(plan.restores, to_host=False)
-        copies = plan.materialize
-        if copies:
-            self.copy_blocks([(g, h) for _, g, h in copies], to_host=True)
-        return [t for t, _, _ in copies]
+        if not isinstance(plan, _core.StepPlan):
+            raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
+        if self._cpu:
+            self._apply_reference(plan)
+            return None
+        return self._apply_torch(plan)
 
-    def _check_plan(self, plan: _core.StepPlan) -> None:
-        """Checks every index ``apply`` will use against the layout, so that a plan from a manager sized
-        differently is refused before anything is written (torch would fail halfway, or wrap negatives)."""
+    def _worker_geometry(self) -> tuple[int, int, int, int, int]:
+        return self._geometry
+
+    def _layer_bufs(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list, list]:
+        gpu = {f"gpu layer {i}": g for i, g in enumerate(self.gpu)}
+        host = {f"host layer {i}": h for i, h in enumerate(self.host)}
+        rb = self.layout.row_bytes
+        return (gpu, host, [_rows_view(g, name, rb) for name, g in gpu.items()],
+                [_rows_view(h, name, rb) for name, h in host.items()])
+
+    def _apply_reference(self, plan: _core.StepPlan) -> None:
+        self._slots = (plan, _core._ref_apply(plan, self._apply_bufs()))
+
+    def _apply_bufs(self) -> _core.ApplyBuffers:
+        """The checked buffers of ``_ref_apply``, checked again only when a tensor was replaced (an assignment
+        to ``gpu``, ``host`` or an entry of ``state``): ``apply`` runs every step, and checking a dozen tensors
+        costs more than applying a decode step's plan. Tensors must not be resized in place while a DataPath
+        uses them."""
+        # A state replaced by a plain dict has no version: then every call checks.
+        version = self.state.version if isinstance(self.state, _State) else None
+        key = (self.state, self.gpu, self.host)
+        cached = self._checked_apply
+        if (cached is not None and version is not None and cached[0] == version
+                and all(a is b for a, b in zip(cached[1], key, strict=True))):
+            return cached[2]
+        state = {name: self.state[name] for name in APPLY_FIELDS}
+        bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in state.items()]
+        gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
+        # Rust takes every state tensor and both sides of every layer as mutable slices.
+        _check_disjoint({**state, **gpu, **host}, {})
+        # The key keeps every tensor alive as long as the buffers that point into them.
+        buffers = _core.ApplyBuffers(self._geometry, bufs, gpu_bufs, host_bufs)
+        self._checked_apply = (version, key, buffers, state, gpu, host)
+        return buffers
+
+    def _apply_torch(self, plan: _core.StepPlan) -> torch.cuda.Event | None:
+        """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""
+        lay, st, dev = self.layout, self.state, self.device
+        _core._check_plan(plan, self._worker_geometry(), lay.max_running, lay.num_gpu_blocks, lay.num_host_blocks)
+        s = _PlanSections(plan.to_bytes())
+        words = s.words.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else s.words
+        longs = s.longs.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else s.longs
+
+        def section(name: str, width: int) -> torch.Tensor:
+            a, b = s.spans[name]
+            return words[a:b].view(-1, width).to(torch.int64)
+
+        rows = section("cleared", 1)[:, 0]
+        if rows.numel():
+            for name, value in (("seq_lens", 0), ("block_table", 0), ("host_table", -1), ("releasable", 0),
+                                ("row_request", -1), ("heat", 0), ("status", 0), ("hot_blocks", 0), ("hot_pos", -1)):
+                st[name].index_fill_(0, rows, value)
+            st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
+        lens = section("seq_lens", 2)
+        if lens.numel():
+            a, b = s.long_spans["seq_lens"]
+            st["seq_lens"].index_copy_(0, lens[:, 0], lens[:, 1].to(torch.int32))
+            st["row_request"].index_copy_(0, lens[:, 0], longs[a:b])
+        table = section("table", 5)
+        if table.numel():
+            flat = table[:, 0] * lay.max_pages + table[:, 1]
+            st["block_table"].view(-1).index_copy_(0, flat, table[:, 2].to(torch.int32))
+            st["host_table"].view(-1).index_copy_(0, flat, table[:, 3].to(torch.int32))
+            st["releasable"].view(-1).index_copy_(0, flat, table[:, 4].to(torch.uint8))
+        hot = section("hot", 2 + s.hot_blocks)
+        if hot.numel():
+            rows = hot[:, 0]
+            blocks = torch.zeros(rows.numel(), lay.hot_blocks, dtype=torch.int32, device=dev)
+            blocks[:, : s.hot_blocks] = hot[:, 2:].to(torch.int32)
+            st["hot_blocks"].index_copy_(0, rows, blocks)
+            st["hot_pos"].index_fill_(0, rows, -1)
+            st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
+        if dev.type == "cuda":
+            mover = self._page_mover()
+            mover.restore(plan.restores)
+            copies = [(gpu, host) for _, gpu, host in plan.materialize]
+            return mover.materialize(copies) if copies else None
+        # The same scatter on CPU tensors (how the tests compare it with the reference): copies in Rust.
+        self._copy(section("restores", 2), lay.block_size, to_host=False)
+        self._copy(section("materialize", 2), lay.block_size, to_host=True)
+        return None
+
+    def _page_mover(self):
+        """The side stream's page mover of this slab and pool (built again if either was replaced)."""
+        from .kernels.transfer import PageMover
+
+        key = (self.gpu, self.host)
+        cached = self._mover
+        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            cached = (key, PageMover(list(self.gpu), list(self.host), self.layout.block_size))
+            self._mover = cached
+        return cached[1]
+
+    def slot_mapping(self, plan: _core.StepPlan) -> torch.Tensor:
+        """The GPU row of every token ``plan``'s scheduled requests write, request after request in the plan's
+        order (an engine's slot mapping), int64 on this data path's device; ``plan`` must be the one applied
+        last. One call, whatever the batch: in Rust on CPU, a few whole-tensor ops on a device (no wait)."""
+        if not isinstance(plan, _core.StepPlan):
+            raise InvalidArgumentError(f"slot_mapping() takes a StepPlan, not {type(plan).__name__}")
         lay = self.layout
+        if self._cpu:
+            applied, raw = self._slots
+            if applied is not plan or raw is None:  # computed by the apply of this plan, or ask for the reason
+                table = _buf(self.state["block_table"], "block_table", torch.int32)
+                raw = _core._ref_slot_mapping(plan, table, lay.max_pages, lay.block_size)
+            return torch.frombuffer(raw, dtype=torch.int64) if raw else torch.zeros(0, dtype=torch.int64)
+        return self._slot_mapping_torch(plan)
 
-        def check(what: str, value: int, low: int, end: int) -> None:
-            if not low <= value < end:
-                raise InvalidArgumentError(
-                    f"the plan's {what} {value} is outside {low}..{end - 1} of this data path's layout "
-                    "(is the manager configured larger than the Layout?)"
-                )
+    def _slot_mapping_torch(self, plan: _core.StepPlan) -> torch.Tensor:
+        """The device path of ``slot_mapping`` (no check that every page is resident: it would wait)."""
+        lay, dev = self.layout, self.device
+        s = _PlanSections(plan.to_bytes())
+        a, b = s.spans["scheduled"]
+        sched = s.words[a:b].view(-1, 3).to(torch.int64).to(dev, non_blocking=True)
+        total = plan.num_tokens
+        rows, starts, tokens = sched[:, 0], sched[:, 1], sched[:, 2]
+        which = torch.repeat_interleave(torch.arange(len(rows), device=dev), tokens, output_size=total)
+        first = torch.cumsum(tokens, 0) - tokens  # each request's first token in the output
+        pos = starts[which] + torch.arange(total, device=dev) - first[which]
+        blocks = self.state["block_table"][rows[which], pos // lay.block_size].to(torch.int64)
+        return blocks * lay.block_size + pos % lay.block_size
 
-        rows, pages, gpu_blocks, host_blocks = lay.max_running, lay.max_pages, lay.num_gpu_blocks, lay.num_host_blocks
-        for row in plan.cleared_rows:
-            check("cleared row", row, 0, rows)
-        for row, seq_len in plan.seq_lens:
-            check("state row", row, 0, rows)
-            check("seq_len", seq_len, 0, lay.max_model_len + 1)
-        for row, page, gpu, host in plan.table_updates:
-            check("state row", row, 0, rows)
-            check("page", page, 0, pages)
-            check("GPU block", gpu, 0, gpu_blocks)
-            check("host block", host, -1, host_blocks)
-        for row, blocks in plan.hot_updates:
-            check("state row", row, 0, rows)
-            check("hot region length", len(blocks), 0, lay.hot_blocks + 1)
-            for block in blocks:
-                check("hot GPU block", block, 0, gpu_blocks)
-        for gpu, host in [*plan.restores, *((g, h) for _, g, h in plan.materialize)]:
-            check("copied GPU block", gpu, 0, gpu_blocks)
-            check("copied host block", host, 0, host_blocks)
+    def _fresh_lru(self, n: int) -> torch.Tensor:
+        lay = self.layout
+        return torch.arange(lay.hot_rows, dtype=torch.int32, device=self.device).expand(n, lay.num_groups, -1)
 
-    def _reset_hot(self, row: int, blocks: Sequence[int]) -> None:
-        st = self.state
-        st["hot_blocks"][row] = 0
-        if blocks:
-            st["hot_blocks"][row, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
-        st["hot_pos"][row] = -1
-        st["hot_lru"][row] = torch.arange(self.layout.hot_rows, dtype=torch.int32, device=self.device)
+    def heat_summary(self, coldest: int = 128, hottest: int = 32) -> bytes:
+        """The ``coldest`` coldest and the ``hottest`` hottest releasable pages of every running row, encoded for
+        :meth:`ResidencyManager.apply_results`; then every count of those rows is halved (``heat.rs`` gives the
+        decay rule). One pass over the heat table; nothing per page in Python. On a device this waits for the
+        ranking; :meth:`start_heat_summary` does not."""
+        return self.start_heat_summary(coldest, hottest).take()
+
+    def start_heat_summary(self, coldest: int = 128, hottest: int = 32) -> HeatSummaryInFlight:
+        """Starts a heat summary (and the decay): on CPU it is done at once; on a device the ranking is queued
+        on the current stream and copied back to pinned memory, ready once its event has passed."""
+        for name, value in (("coldest", coldest), ("hottest", hottest)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**24:
+                raise InvalidArgumentError(f"{name} must be an integer in 0..2**24, not {value!r}")
+        lay = self.layout
+        if self._cpu:
+            tables = {name: self.state[name] for name in HEAT_FIELDS}
+            bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in tables.items()]
+            _check_disjoint({"heat": tables["heat"]}, {k: v for k, v in tables.items() if k != "heat"})
+            return HeatSummaryInFlight(_core._ref_heat_summary(bufs, lay.max_pages, lay.block_size, coldest, hottest))
+        return self._rank_heat_torch(coldest, hottest)
+
+    def _heat_summary_torch(self, coldest: int = 128, hottest: int = 32) -> bytes:
+        """The device path of ``heat_summary``, waiting for it (tests run it on CPU tensors)."""
+        return self._rank_heat_torch(coldest, hottest).take()
+
+    def _rank_heat_torch(self, coldest: int, hottest: int) -> HeatSummaryInFlight:
+        """Ranks on the device; one copy of [S, coldest + hottest] keys (and the rows' requests) back."""
+        lay, st = self.layout, self.state
+        p = lay.max_pages
+        pages = torch.arange(p, device=self.device)
+        used = (st["seq_lens"].to(torch.int64) + lay.block_size - 1) // lay.block_size
+        running = st["seq_lens"] > 0
+        eligible = (st["releasable"] != 0) & (pages[None, :] < used[:, None]) & running[:, None]
+        heat = st["heat"].clamp(min=0).to(torch.int64)
+        # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible pages
+        # rank past either end. The hottest that are also among the coldest are dropped on the host.
+        key = heat * p + pages[None, :]
+        kc, kh = min(coldest, p), min(hottest, p)
+        cold = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).max), kc, dim=1, largest=False).values
+        hot = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).min), kh, dim=1).values
+        n = eligible.sum(dim=1)
+        st["heat"].copy_(torch.where(running[:, None], st["heat"].clamp(min=0) >> 1, st["heat"]))
+        tensors = (cold, n.clamp(max=kc), hot, n.clamp(max=kh), st["row_request"], st["seq_lens"])
+        return HeatSummaryInFlight.copy_back(tensors, (p, kc, kh))
 
     # ------------------------------------------------------------------ the kernels
 
     def resolve(self, topk: torch.Tensor, row_state: torch.Tensor, group: int = 0) -> torch.Tensor:
         """Row ids into every layer of ``group`` for ``topk`` [rows, top_k] positions (see SPEC.md)."""
-        groups = self.layout.num_groups
-        if not 0 <= group < groups:  # checked first: an unknown group has no layers to complain about
-            raise InvalidArgumentError(f"group {group} is out of range: the layout has {groups} index groups")
+        group = _index(group, "group", self.layout.num_groups)  # first: an unknown group has no layers to name
+        if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
+            raise InvalidArgumentError(f"topk must be a [rows, top_k] tensor, not {_describe(topk)}")
         out = torch.empty(topk.shape, dtype=torch.int32, device=self.device)
         layers = self.layout.layers_of(group)
         kwargs = dict(
             topk=topk,
             row_state=row_state,
-            **self.state,
+            **{name: self.state[name] for name in RESOLVE_FIELDS},
             gpu_layers=[self.gpu[layer] for layer in layers],
             host_layers=[self.host[layer] for layer in layers],
             group=group,
@@ -372,15 +677,16 @@ class DataPath:
         if self.device.type == "cuda":
             from .kernels import ops
 
-            ops.resolve(**kwargs)
+            ops.resolve(**kwargs, rows_per_request=self.layout.rows_per_request)
         else:
             resolve_reference(**kwargs)
         return out
 
     def gather(self, row_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """Dense rows [rows, top_k, row_bytes] of one layer; zeros for -1."""
-        if not 0 <= layer < self.layout.num_layers:  # a negative index would silently read another layer
-            raise InvalidArgumentError(f"layer {layer} is out of range: the layout has {self.layout.num_layers} layers")
+        layer = _index(layer, "layer", self.layout.num_layers)  # a negative index would read another layer
+        if not isinstance(row_ids, torch.Tensor):
+            raise InvalidArgumentError(f"row_ids must be a tensor, not {_describe(row_ids)}")
         out = torch.empty(*row_ids.shape, self.layout.row_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             from .kernels import ops
@@ -394,86 +700,77 @@ class DataPath:
         _core._ref_gather(row_ids_buf, slab_buf, self.layout.row_bytes, out_buf)
         return out
 
-    def _copy(self, pairs: Sequence[tuple[int, int]], unit: int, to_host: bool) -> None:
-        if not pairs:
+    def _copy(self, pairs: torch.Tensor, unit: int, to_host: bool) -> None:
+        """Copies ``pairs`` [n, 2] int64 (GPU unit, host unit; units of ``unit`` rows), every layer."""
+        if not pairs.numel():
             return
-        lay = self.layout
-        t = torch.tensor(list(pairs), dtype=torch.int64)
-        if t.dim() != 2 or t.shape[1] != 2:
-            raise InvalidArgumentError("pairs must be (gpu, host) pairs")
-        if self.device.type == "cuda":
-            from .kernels import ops
-
-            layers = dict(gpu_layers=list(self.gpu), host_layers=list(self.host), to_host=to_host)
-            if unit == 1:
-                ops.copy_rows(pairs=t.to(self.device), **layers)
-            else:
-                pairs32 = t.to(torch.int32).to(self.device)
-                ops.copy_blocks(pairs=pairs32, block_size=lay.block_size, **layers)
+        if self.device.type != "cpu":
+            self._copy_device(pairs.to(self.device, non_blocking=True), unit, to_host)
             return
-        gpu = {f"gpu layer {i}": g for i, g in enumerate(self.gpu)}
-        host = {f"host layer {i}": h for i, h in enumerate(self.host)}
-        gpu_bufs = [_rows_view(g, name, lay.row_bytes) for name, g in gpu.items()]
-        host_bufs = [_rows_view(h, name, lay.row_bytes) for name, h in host.items()]
-        pairs_buf = _buf(t, "pairs", torch.int64)
+        gpu, host, gpu_bufs, host_bufs = self._layer_bufs()
+        pairs_buf = _buf(pairs, "pairs", torch.int64)
         # Rust takes both sides of every layer as mutable slices, whichever way the copy goes.
-        _check_disjoint({**gpu, **host}, {"pairs": t})
-        _core._ref_copy(pairs_buf, unit, lay.row_bytes, to_host, gpu_bufs, host_bufs)
+        _check_disjoint({**gpu, **host}, {"pairs": pairs})
+        _core._ref_copy(pairs_buf, unit, self.layout.row_bytes, to_host, gpu_bufs, host_bufs)
+
+    def _copy_device(self, pairs: torch.Tensor, unit: int, to_host: bool) -> None:
+        from .kernels import ops
+
+        layers = dict(gpu_layers=list(self.gpu), host_layers=list(self.host), to_host=to_host)
+        if unit == 1:
+            ops.copy_rows(pairs=pairs.contiguous(), **layers)
+        else:
+            ops.copy_blocks(pairs=pairs.to(torch.int32).contiguous(), block_size=self.layout.block_size, **layers)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
-        """Whole pages, every layer: materialize (``to_host``) or restore."""
-        self._copy(pairs, self.layout.block_size, to_host)
+        """Whole pages, every layer: materialize (``to_host``) or restore. ``pairs``: (GPU block, host block),
+        destinations distinct; a restore never writes the null block 0."""
+        if not isinstance(to_host, bool):
+            raise InvalidArgumentError(f"to_host must be True or False, not {to_host!r}")
+        lay = self.layout
+        t = _pairs(pairs, "pairs", (lay.num_gpu_blocks, lay.num_host_blocks), distinct=1 if to_host else 0)
+        if not to_host and bool((t[:, 0] == 0).any()):
+            raise InvalidArgumentError("a restore into the null block 0: nothing may write it")
+        self._copy(t, lay.block_size, to_host)
 
     def mirror(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copies written rows (GPU row, host row) to the host pool, every layer."""
-        self._copy(pairs, 1, True)
+        """Copies written rows (GPU row, host row) to the host pool, every layer; host rows distinct."""
+        lay = self.layout
+        limits = (lay.num_gpu_blocks * lay.block_size, lay.num_host_blocks * lay.block_size)
+        self._copy(_pairs(pairs, "pairs", limits, distinct=1), 1, True)
 
     def invalidate(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Empties the hot slots holding (state row, position), whose host rows were rewritten."""
-        if not pairs:
+        lay = self.layout
+        t = _pairs(pairs, "pairs", (lay.max_running, lay.max_model_len)).to(torch.int32)
+        if not t.numel():
             return
-        t = torch.tensor(list(pairs), dtype=torch.int32)
-        if t.dim() != 2 or t.shape[1] != 2:
-            raise InvalidArgumentError("pairs must be (state row, position) pairs")
         if self.device.type == "cuda":
             from .kernels import ops
 
             ops.invalidate(pairs=t.to(self.device), hot_pos=self.state["hot_pos"], hot_lru=self.state["hot_lru"])
             return
-        lay, hot = self.layout, {name: self.state[name] for name in ("hot_pos", "hot_lru")}
+        hot = {name: self.state[name] for name in ("hot_pos", "hot_lru")}
         bufs = [_buf(v, name, torch.int32) for name, v in {**hot, "pairs": t}.items()]
         _check_disjoint(hot, {"pairs": t})
         _core._ref_invalidate(_geometry(self.state, lay.block_size, lay.row_bytes), *bufs)
 
     # ------------------------------------------------------------------ helpers for engines and tests
 
-    def token_rows(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        """GPU rows where the KV of ``positions`` of state row ``row`` is written (the slot mapping)."""
-        bs = self.layout.block_size
-        blocks = self.state["block_table"][row, positions // bs]
-        if bool((blocks == 0).any()):
+    def token_rows(self, row: int, positions: torch.Tensor, *, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """GPU rows where the KV of ``positions`` (integers in ``start .. end - 1``, by default the whole
+        ``max_model_len``) of state row ``row`` is written: the slot mapping. Give positions on the host to keep
+        the device from waiting. On CPU a position on a page without a resident block is refused; on a device
+        that check would wait, and such a position maps into the null block, which nothing reads (the pages a
+        step writes are always resident: they are the newest)."""
+        lay = self.layout
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < lay.max_running:
+            raise InvalidArgumentError(f"row must be a state row in 0..{lay.max_running - 1}, not {row!r}")
+        positions = _positions(positions, start, lay.max_model_len if end is None else end, self.device)
+        blocks = self.state["block_table"][row, positions // lay.block_size]
+        if self.device.type == "cpu" and bool((blocks == 0).any()):
             raise InvalidArgumentError(f"row {row}: some positions have no resident block to write")
-        return blocks * bs + positions % bs
-
-    def take_heat(self, rows: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
-        """The selection heat of ``rows`` since the last call, as (pages, counts) of the pages that were
-        selected, and cleared. One gather and one transfer of only the non-zero entries, whatever the
-        context length."""
-        if not rows:
-            return {}
-        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
-        if bool(((index < 0) | (index >= self.layout.max_running)).any()):
-            raise InvalidArgumentError(f"rows {list(rows)} outside 0..{self.layout.max_running}")
-        heat = self.state["heat"].index_select(0, index)
-        self.state["heat"].index_fill_(0, index, 0)
-        hits = heat.nonzero()
-        counts = heat[hits[:, 0], hits[:, 1]].tolist()
-        taken: dict[int, tuple[list[int], list[int]]] = {row: ([], []) for row in rows}
-        for (i, page), count in zip(hits.tolist(), counts, strict=True):
-            pages, values = taken[rows[i]]
-            pages.append(page)
-            values.append(count)
-        return taken
+        return blocks.to(torch.int64) * lay.block_size + positions % lay.block_size
 
     @property
     def counters(self) -> dict[str, int]:

@@ -4,8 +4,8 @@
 (:class:`~hisparse.ResidencyManager`); :class:`WorkerHooks` lives in each worker and owns its
 :class:`~hisparse.DataPath` (the KV slab, the host pool and the resolver's state). The only things that
 cross between them are a :class:`WorkerStep` (scheduler -> worker, once per step) and a
-:class:`StepResults` (worker -> scheduler, once per step), so the two halves can live in different
-processes. Engines name requests with strings; the hooks map them onto the core's integer ids.
+:class:`StepResults` (worker -> scheduler, once per step); both pickle, so the two halves can live in
+different processes. Engines name requests with strings; the hooks map them onto the core's integer ids.
 
 One step::
 
@@ -17,20 +17,25 @@ One step::
     step = plan_step([(rid, new_tokens), ...])
       step.ok False: nothing changed; shrink the
       batch or preempt someone, plan again
-                               ────── step ──────▶  apply(step)          before the forward: tables, hot
-                                                                         regions, restores (host -> GPU),
-                                                                         page copies (GPU -> host) start
+                               ────── step ──────▶  apply(step)          before the forward: one call applies
+                                                                         tables, hot regions, restores
+                                                                         (host -> GPU), page copies (GPU -> host)
                                                     forward, per layer l:
                                                       write(rid, positions, l, kv) the new KV rows
                                                         (or token_rows(): the slot mapping)
-                                                      resolve(topk, rids, group)   first layer of a group
+                                                      resolve(topk, rows, group)   first layer of a group
                                                       gather(row_ids, l)           dense top-K rows
-                                                    results = end_step()  after the forward: mirrors the
-                                                                          written rows that have a host
-                                                                          copy, collects selection heat
-                               ◀──── results ─────                        and the finished copies
-    apply_results(results)     complete(transfers), report_heat(...)
+                                                    results = end_step()  after the forward: the copies that
+                                                                          ended, every heat_interval steps a
+                                                                          heat summary, resolver counters
+                               ◀──── results ─────
+    apply_results(results)     one atomic core call: copies ended or failed, the heat summary
     capacity() / metrics() / capacity_log()
+
+Per step each half makes one call into the core and does no per-request or per-page work in Python (the
+engine's own loops aside). Selection heat stays on the worker (the resolver counts it on the device); every
+``heat_interval`` steps the worker sends the coldest releasable pages of each request and halves the counts
+(``rust/core/src/heat.rs`` gives the decay rule).
 
 The order is enforced; a call out of order raises :class:`CallOrderError` and changes nothing:
 
@@ -47,14 +52,16 @@ copies and the same selections) go to ``apply_results``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, Layout
+from .datapath import DataPath, HeatSummaryInFlight, Layout
 from .errors import InvalidArgumentError, UnknownRequestError
 
 __all__ = [
@@ -65,6 +72,10 @@ __all__ = [
     "WorkerHooks",
     "WorkerStep",
 ]
+
+
+#: Integer dtypes whose every value fits in int32.
+_NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
 class CallOrderError(InvalidArgumentError):
@@ -88,14 +99,38 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class WorkerStep:
-    """What the scheduler hands the worker for one step.
+    """What the scheduler hands the worker for one step: the plan, and the engine's name of each request
+    the plan schedules (``request_ids[i]`` is ``plan.scheduled[i]``).
 
     ``step`` counts good plans from 1; a short plan (``ok`` False) has step 0 and must not be applied.
     """
 
     step: int
     plan: StepPlan
-    requests: tuple[ScheduledRequest, ...]
+    request_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.step) is not int or self.step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, not {self.step!r}")
+        if not isinstance(self.plan, StepPlan):
+            raise InvalidArgumentError(f"plan must be a StepPlan, not {type(self.plan).__name__}")
+        ids = self.request_ids
+        if not isinstance(ids, tuple):
+            ids = tuple(ids) if isinstance(ids, list) else ids
+            object.__setattr__(self, "request_ids", ids)
+        if not isinstance(ids, tuple) or len(ids) != self.plan.num_scheduled or not all(
+                type(rid) is str for rid in ids):
+            raise InvalidArgumentError(
+                f"request_ids must name the plan's {self.plan.num_scheduled} scheduled requests with strings"
+            )
+
+    def __getstate__(self) -> dict:
+        """What crosses processes: the fields, not the views built from them on demand."""
+        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def ok(self) -> bool:
@@ -105,25 +140,38 @@ class WorkerStep:
     def missing_blocks(self) -> int:
         return self.plan.missing_blocks
 
+    @cached_property
+    def requests(self) -> tuple[ScheduledRequest, ...]:
+        """The scheduled requests, built on first use (the worker's step path does not need them)."""
+        return tuple(ScheduledRequest(rid, row, start, n)
+                     for rid, (_, row, start, n) in zip(self.request_ids, self.plan.scheduled, strict=True))
+
+    @cached_property
+    def _by_id(self) -> dict[str, ScheduledRequest]:
+        return {r.request_id: r for r in self.requests}
+
     def request(self, request_id: str) -> ScheduledRequest:
-        for r in self.requests:
-            if r.request_id == request_id:
-                return r
-        raise UnknownRequestError(f"request {request_id!r} is not scheduled in step {self.step}")
+        try:
+            return self._by_id[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"request {request_id!r} is not scheduled in step {self.step}") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResults:
-    """What the worker reports after the forward of one step."""
+    """What the worker reports after the forward of one step. Edit it (or :func:`dataclasses.replace` it) to
+    hold back or fail completions; a refused report changes nothing and can be sent again, corrected. (Not
+    frozen: a frozen dataclass costs microseconds to build, and one is built every step.)"""
 
     step: int
-    #: Host copies (transfer ids of ``plan.materialize``) that finished, and those that failed.
+    #: Host copies (transfer ids of ``plan.materialize``) that finished, and those that failed. A copy still
+    #: in flight is reported by a later step's results.
     completed: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
-    #: Selection heat since the last step, per request that was scheduled: (pages, counts) of the pages
-    #: that were selected.
-    heat: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
-    #: Resolver counters of this step.
+    #: A heat summary (``DataPath.heat_summary``), every ``heat_interval`` steps; None in between.
+    heat: bytes | None = None
+    #: Resolver counters since the last results that carried them (every ``heat_interval`` steps, with the heat:
+    #: metrics need no more, and reading them every step would cost more than the rest of ``end_step``).
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
@@ -144,6 +192,8 @@ class SchedulerHooks:
     def __init__(self, manager: ResidencyManager | None = None, **config: Any):
         if manager is not None and config:
             raise InvalidArgumentError("give a ResidencyManager or its configuration, not both")
+        if manager is not None and not isinstance(manager, ResidencyManager):
+            raise InvalidArgumentError(f"manager must be a ResidencyManager, not {type(manager).__name__}")
         self.manager = manager if manager is not None else ResidencyManager(**config)
         self._config = self.manager.config()
         self._ids: dict[str, int] = {}
@@ -164,10 +214,13 @@ class SchedulerHooks:
             raise UnknownRequestError(f"request {request_id!r} is not admitted (or finished already)") from None
 
     def request_id(self, core_id: int) -> str:
-        return self._names[core_id]
+        try:
+            return self._names[core_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"no admitted request has core id {core_id!r}") from None
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and request_id in self._ids
 
     @property
     def config(self) -> dict:
@@ -183,7 +236,8 @@ class SchedulerHooks:
 
     def admit(self, request_id: str, prompt_len: int, prefix_hashes: Sequence[int] = (),
               max_len: int | None = None) -> Admission:
-        """Admits a request; ``prefix_hashes`` hash its full prompt pages (a chain: each covers all before it).
+        """Admits a request; ``prefix_hashes`` hash its full prompt pages (a chain: each covers all before it;
+        any int, Python's negative ``hash()`` values included).
 
         Returns its :class:`~hisparse.Admission`: ``cached_tokens`` are not computed again (their pages are on
         the host, or still on the GPU). Raises :class:`~hisparse.CapacityError` (``.resource`` says which)
@@ -193,7 +247,7 @@ class SchedulerHooks:
         if request_id in self._ids:
             raise InvalidArgumentError(f"request {request_id!r} is already admitted")
         core = self._next_id
-        admission = self.manager.admit(core, prompt_len, list(prefix_hashes), max_len)
+        admission = self.manager.admit(core, prompt_len, prefix_hashes, max_len)
         self._next_id += 1
         self._ids[request_id] = core
         self._names[core] = request_id
@@ -239,50 +293,48 @@ class SchedulerHooks:
                 f"the worker must apply() that step, run its forward and end_step(), then pass the StepResults "
                 f"to apply_results()"
             )
-        scheduled = [(_check_request_id(rid), int(n)) for rid, n in scheduled]
-        core_ids = [(self.core_id(rid), n) for rid, n in scheduled]
-        starts = []
-        for core, _ in core_ids:
-            info = self.manager.request_info(core)
-            starts.append(info["seq_len"])
-        plan = self.manager.plan_step(core_ids)
-        self._metrics["transitions"] += len(plan.transitions)
+        # One comprehension per step (it runs for every request every step); the core checks the counts.
+        pairs = scheduled if isinstance(scheduled, list) else list(scheduled)
+        ids = self._ids
+        try:
+            core = [(ids[rid], n) for rid, n in pairs]
+        except KeyError:
+            for rid, _ in pairs:
+                self.core_id(rid)  # raises the precise error (not a string, or not admitted)
+            raise
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
+        plan = self.manager.plan_step(core)
+        self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
             self._metrics["short_plans"] += 1
-            return WorkerStep(0, plan, ())
+            return WorkerStep(0, plan)
         self._steps += 1
         self._outstanding = self._steps
-        requests = []
-        for (rid, n), (core, _), start in zip(scheduled, core_ids, starts, strict=True):
-            row = self.manager.request_info(core)["row"]
-            requests.append(ScheduledRequest(rid, row, start, n))
-        return WorkerStep(self._steps, plan, tuple(requests))
+        return WorkerStep(self._steps, plan, tuple([rid for rid, _ in pairs]))
 
     def apply_results(self, results: StepResults) -> None:
-        """Takes the worker's feedback of the outstanding step: finished (or failed) copies, selection heat."""
+        """Takes the worker's feedback of the outstanding step in one atomic core call: finished and failed
+        copies, and the heat summary. A refused report changed nothing; the step still waits for its results."""
+        if not isinstance(results, StepResults):
+            raise InvalidArgumentError(f"apply_results() takes StepResults, not {type(results).__name__}")
+        if type(results.step) is not int:
+            raise InvalidArgumentError(f"results.step must be an int, not {type(results.step).__name__}")
         if self._outstanding is None:
             raise CallOrderError(f"apply_results() for step {results.step}, but no step is waiting for results")
         if results.step != self._outstanding:
             raise CallOrderError(
                 f"apply_results() got the results of step {results.step}; step {self._outstanding} is waiting"
             )
-        m = self.manager
-        if results.failed:
-            m.complete(list(results.failed), ok=False)
-        if results.completed:
-            m.complete(list(results.completed), ok=True)
-        for rid, (pages, counts) in results.heat.items():
-            core = self._ids.get(rid)
-            if core is None or core not in m:
-                continue  # finished meanwhile
-            info = m.request_info(core)
-            if info["row"] is None or not pages:
-                continue  # preempted meanwhile, or nothing selected
-            kept = [(p, c) for p, c in zip(pages, counts, strict=True) if p < info["num_pages"]]
-            m.report_heat(core, [p for p, _ in kept], [c for _, c in kept])
-        self._metrics["hits"] += results.hits
-        self._metrics["misses"] += results.misses
-        self._metrics["h2d_bytes"] += results.h2d_bytes
+        hits, misses, h2d = results.hits, results.misses, results.h2d_bytes
+        if not (type(hits) is int and type(misses) is int and type(h2d) is int and min(hits, misses, h2d) >= 0):
+            raise InvalidArgumentError(f"hits, misses and h2d_bytes must be non-negative integers, not {hits!r}, "
+                                       f"{misses!r}, {h2d!r}")
+        self.manager.apply_results(results.completed, results.failed, results.heat)
+        m = self._metrics
+        m["hits"] += hits
+        m["misses"] += misses
+        m["h2d_bytes"] += h2d
         self._outstanding = None
 
     # ------------------------------------------------------------------ capacity and metrics
@@ -315,32 +367,96 @@ class SchedulerHooks:
         return out
 
 
+@dataclass
+class _InFlight:
+    """Host copies started by one step; on CUDA they are done once ``event`` is."""
+
+    transfers: tuple[int, ...]
+    event: Any = None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+@dataclass
+class _LaggedCounters:
+    """The resolver's counters, read without waiting for the device: each step copies them into pinned
+    memory behind an event, and the next step reads the copy once the event is done. On CPU they are read in
+    place through a view of their memory (a torch call after the forward costs tens of microseconds: the
+    forward has evicted torch's dispatcher from the caches)."""
+
+    device: torch.device
+    last: tuple[int, int, int] = (0, 0, 0)
+    pending: list = field(default_factory=list)
+    view: tuple = (None, None)
+
+    def _read_cpu(self, counters: torch.Tensor) -> tuple[int, int, int]:
+        tensor, array = self.view
+        if tensor is not counters:
+            if counters.dtype != torch.int64 or counters.shape != (3,) or not counters.is_contiguous():
+                raise InvalidArgumentError("the counters tensor must be 3 contiguous int64")
+            array = (ctypes.c_int64 * 3).from_address(counters.data_ptr())
+            self.view = (counters, array)
+        return tuple(array)
+
+    def take(self, counters: torch.Tensor) -> tuple[int, int, int]:
+        """The counters' growth since the last call that could read them (on CPU: now)."""
+        if self.device.type != "cuda":
+            now = self._read_cpu(counters)
+        else:
+            host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+            host.copy_(counters, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((host, event))
+            now = self.last
+            while self.pending and self.pending[0][1].query():
+                now = tuple(self.pending.pop(0)[0].tolist())
+        grown = tuple(a - b for a, b in zip(now, self.last, strict=True))
+        self.last = now
+        return grown
+
+
 class WorkerHooks:
     """The worker half: the KV slab and host pool, the step plan before the forward, ``resolve`` and
-    ``gather`` during attention, and the step's results after it."""
+    ``gather`` during attention, and the step's results after it.
 
-    def __init__(self, datapath: DataPath):
+    ``heat_interval``: steps between heat summaries (and halvings of the counts; the first ones come sooner,
+    at steps 1, 2, 4, ...); ``heat_coldest`` / ``heat_hottest``: the coldest and hottest releasable pages each
+    summary reports per request (the policy releases the coldest first and the hottest last).
+    """
+
+    def __init__(self, datapath: DataPath, *, heat_interval: int = 32, heat_coldest: int = 128,
+                 heat_hottest: int = 32):
+        if not isinstance(datapath, DataPath):
+            raise InvalidArgumentError(f"datapath must be a DataPath, not {type(datapath).__name__}")
+        for name, value, low in (("heat_interval", heat_interval, 1), ("heat_coldest", heat_coldest, 0),
+                                 ("heat_hottest", heat_hottest, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**24:
+                raise InvalidArgumentError(f"{name} must be an integer in {low}..2**24, not {value!r}")
         self.dp = datapath
+        self._cuda = datapath.device.type == "cuda"
+        self.heat_interval, self.heat_coldest, self.heat_hottest = heat_interval, heat_coldest, heat_hottest
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
-        self._started: list[int] = []
-        self._rows: dict[str, int] = {}
-        self._mirrored = False
-        self._counters = self._read_counters()
+        self._in_flight: list[_InFlight] = []
+        self._summaries: list[HeatSummaryInFlight] = []
+        self._counters = _LaggedCounters(datapath.device)
 
     @classmethod
-    def build(cls, layout: Layout, device: str | torch.device = "cpu") -> WorkerHooks:
+    def build(cls, layout: Layout, device: str | torch.device = "cpu", **options: Any) -> WorkerHooks:
         """A worker with a fresh data path (slab on ``device``, host pool pinned when that is CUDA)."""
-        return cls(DataPath(layout, device))
+        return cls(DataPath(layout, device), **options)
 
     @classmethod
-    def register(cls, layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: torch.Tensor) -> WorkerHooks:
+    def register(cls, layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: torch.Tensor,
+                 **options: Any) -> WorkerHooks:
         """A worker over an engine's own tensors. ``gpu``: the KV slab, one uint8 tensor [layers, num_gpu_blocks
         * bs, row_bytes], or one contiguous [num_gpu_blocks * bs, row_bytes] uint8 tensor per layer (engines
         that allocate each layer's cache apart); a block id addresses the same rows in every layer. ``host``:
         the host pool [layers, num_host_blocks * bs, row_bytes] uint8 in CPU memory (pinned when the slab is on
         CUDA)."""
-        return cls(DataPath(layout, gpu=gpu, host=host))
+        return cls(DataPath(layout, gpu=gpu, host=host), **options)
 
     @property
     def layout(self) -> Layout:
@@ -355,14 +471,9 @@ class WorkerHooks:
         """The step in its forward (applied, not ended), or None."""
         return self._step.step if self._step is not None else None
 
-    def _read_counters(self) -> tuple[int, int, int]:
-        c = self.dp.counters
-        return c["hits"], c["misses"], c["h2d_bytes"]
-
     def _need_step(self, what: str) -> WorkerStep:
         if self._step is None:
-            nxt = self._last + 1
-            raise CallOrderError(f"{what} outside a step: apply() the plan of step {nxt} first")
+            raise CallOrderError(f"{what} outside a step: apply() the plan of step {self._last + 1} first")
         return self._step
 
     # ------------------------------------------------------------------ before the forward
@@ -384,130 +495,148 @@ class WorkerHooks:
             raise CallOrderError(f"the plan of step {step.step} was applied already (last applied: {self._last})")
         if step.step != self._last + 1:
             raise CallOrderError(f"apply() of step {step.step} skips step {self._last + 1}: apply plans in order")
-        self._started = self.dp.apply(step.plan)
-        cleared = set(step.plan.cleared_rows)
-        self._rows = {rid: row for rid, row in self._rows.items() if row not in cleared}
-        for r in step.requests:
-            self._rows[r.request_id] = r.row
+        copied = self.dp.apply(step.plan)  # on CUDA, the event of the page copies to the host
+        started = step.plan.transfer_ids
+        if started:
+            self._in_flight.append(_InFlight(tuple(started), copied))
         self._step = step
         self._last = step.step
-        self._mirrored = False
-        return list(self._started)
+        return started
 
     # ------------------------------------------------------------------ during the forward
 
     def row(self, request_id: str) -> int:
-        """The state row of a request (as of the last applied step)."""
-        try:
-            return self._rows[request_id]
-        except KeyError:
-            raise UnknownRequestError(f"request {request_id!r} has no state row on this worker") from None
+        """The state row of a request scheduled in the step in its forward."""
+        return self._need_step("row()").request(request_id).row
 
     def rows(self, request_ids: Sequence[str | None]) -> torch.Tensor:
         """``row_state`` for :meth:`resolve`: int32 state rows, -1 for ``None`` (padding rows)."""
-        rows = [-1 if r is None else self.row(r) for r in request_ids]
+        step = self._need_step("rows()")
+        rows = [-1 if r is None else step.request(r).row for r in request_ids]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
+    def slot_mapping(self) -> torch.Tensor:
+        """The GPU rows where the step writes its new KV, every token of every scheduled request in the step's
+        order (``WorkerStep.requests``): an engine's slot mapping in one call, no per-request work."""
+        return self.dp.slot_mapping(self._need_step("slot_mapping()").plan)
+
     def token_rows(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
-        """GPU rows (the slot mapping) where the new KV of ``positions`` of a scheduled request is written."""
+        """GPU rows (the slot mapping) where the new KV of ``positions`` (an integer tensor, on the host to keep
+        the device from waiting) of a scheduled request is written."""
         step = self._need_step("token_rows()")
         req = step.request(request_id)
-        positions = positions.to(device=self.device, dtype=torch.int64)
-        if positions.numel() and (int(positions.min()) < req.start or int(positions.max()) >= req.seq_len):
+        if not isinstance(positions, torch.Tensor):
+            raise InvalidArgumentError(f"positions must be an integer tensor, not {type(positions).__name__}")
+        try:
+            return self.dp.token_rows(req.row, positions, start=req.start, end=req.seq_len)
+        except InvalidArgumentError as e:
             raise InvalidArgumentError(
-                f"request {request_id!r} writes positions {req.start}..{req.seq_len - 1} in step {step.step}"
-            )
-        return self.dp.token_rows(req.row, positions)
+                f"request {request_id!r} writes positions {req.start}..{req.seq_len - 1} in step {step.step}: {e}"
+            ) from None
 
     def write(self, request_id: str, positions: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Writes the new KV ``rows`` [n, row_bytes] uint8 of ``positions`` [n] of a scheduled request into
         ``layer`` of the slab."""
+        lay = self.layout
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < lay.num_layers:
+            raise InvalidArgumentError(f"layer must be an integer in 0..{lay.num_layers - 1}, not {layer!r}")
         dest = self.token_rows(request_id, positions)
-        if rows.dtype != torch.uint8 or tuple(rows.shape) != (dest.numel(), self.layout.row_bytes):
-            raise InvalidArgumentError(
-                f"rows must be [{dest.numel()}, {self.layout.row_bytes}] uint8, not {rows.dtype} {list(rows.shape)}"
-            )
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (
+                dest.numel(), lay.row_bytes):
+            got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise InvalidArgumentError(f"rows must be [{dest.numel()}, {lay.row_bytes}] uint8, not {got}")
         self.dp.gpu[layer][dest] = rows.to(self.device)
 
-    def resident(self, rows: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-        """Which positions of ``topk`` [batch rows, top_k] (of state ``rows`` [batch rows]) are on the GPU as of
-        the applied plan (a resolve reads them in place); False for -1 pads. Lets an engine split a large
-        selection (a prefill chunk) into resolves that each fit the hot region."""
-        self._need_step("resident()")
-        bs = self.layout.block_size
-        pos = topk.to(device=self.device, dtype=torch.int64)
+    def _row_state(self, rows: torch.Tensor | Sequence[str | None]) -> torch.Tensor:
+        """int32 state rows for the kernels. On CPU a row outside -1..S-1 is refused; on CUDA, where checking
+        would wait for the device, it becomes a padding row (-1): it reads nothing and touches no state."""
+        if not isinstance(rows, torch.Tensor):
+            return self.rows(list(rows))
+        if rows.dtype.is_floating_point or rows.dtype in (torch.bool, torch.complex64, torch.complex128) or \
+                rows.dim() != 1:
+            raise InvalidArgumentError(f"rows must be a 1-D integer tensor, not {rows.dtype} {list(rows.shape)}")
+        s = self.layout.max_running
         rows = rows.to(device=self.device, dtype=torch.int64)
-        blocks = self.dp.state["block_table"][rows[:, None], pos.clamp(min=0) // bs]
-        return (pos >= 0) & (blocks != 0)
+        if self.device.type == "cpu":
+            if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= s):
+                raise InvalidArgumentError(f"rows must be state rows in -1..{s - 1}")
+            return rows.to(torch.int32).contiguous()
+        bad = (rows < -1) | (rows >= s)
+        return torch.where(bad, -1, rows).to(torch.int32).contiguous()
+
+    @staticmethod
+    def _positions(topk: torch.Tensor) -> torch.Tensor:
+        """int32 positions without wrapping: a value beyond int32 is clamped to a position no request reaches
+        (read as -1, like any position at or past its length), a negative one to the pad -1."""
+        if not isinstance(topk, torch.Tensor) or topk.dtype.is_floating_point or topk.dtype in (
+                torch.bool, torch.complex64, torch.complex128):
+            raise InvalidArgumentError(f"topk must be an integer tensor, not {topk!r}")
+        if topk.dtype in _NARROW_INTS:  # every value fits: nothing to clamp
+            return topk.to(torch.int32).contiguous()
+        # uint64 beyond 2**63 turns negative in int64: a pad, never another position.
+        return topk.to(torch.int64).clamp(-1, 2**31 - 1).to(torch.int32).contiguous()
+
+    def resident(self, rows: torch.Tensor | Sequence[str | None], topk: torch.Tensor) -> torch.Tensor:
+        """Which positions of ``topk`` [batch rows, top_k] (of state ``rows`` [batch rows]) are on the GPU as of
+        the applied plan (a resolve reads them in place); False for -1 pads and padding rows. Lets an engine
+        split a large selection (a prefill chunk) into resolves that each fit the hot region."""
+        self._need_step("resident()")
+        bs, st = self.layout.block_size, self.dp.state
+        row_state = self._row_state(rows).to(torch.int64)
+        pos = self._positions(topk).to(device=self.device, dtype=torch.int64)
+        if pos.dim() != 2 or pos.shape[0] != row_state.shape[0]:
+            raise InvalidArgumentError(f"topk must be [{row_state.shape[0]}, top_k], not {list(pos.shape)}")
+        live = row_state >= 0
+        safe_rows = row_state.clamp(min=0)
+        seq = st["seq_lens"][safe_rows].to(torch.int64)
+        inside = (pos >= 0) & (pos < seq[:, None]) & live[:, None]
+        blocks = st["block_table"][safe_rows[:, None], (pos.clamp(min=0) // bs).clamp(max=self.layout.max_pages - 1)]
+        return inside & (blocks != 0)
 
     def resolve(self, topk: torch.Tensor, rows: torch.Tensor | Sequence[str | None], group: int = 0) -> torch.Tensor:
         """Row ids into every layer of ``group`` for ``topk`` [batch rows, top_k] positions (-1 pads).
 
-        ``rows``: the int32 state row of each batch row, or the request id of each (None: a padding row).
-        Resident positions read in place; the others come through the request's hot region (SPEC.md). Read the
-        rows of a layer with :meth:`gather` before the next ``resolve`` of the same group.
+        ``rows``: the state row of each batch row (an integer tensor, -1 for padding), or the request id of
+        each (None: a padding row). Resident positions read in place; the others come through the request's
+        hot region (SPEC.md). Read the rows of a layer with :meth:`gather` before the next ``resolve`` of the
+        same group.
         """
         self._need_step("resolve()")
-        if not isinstance(rows, torch.Tensor):
-            rows = self.rows(list(rows))
-        if not 0 <= group < self.layout.num_groups:
-            raise InvalidArgumentError(f"group {group} out of range (the layout has {self.layout.num_groups})")
-        return self.dp.resolve(topk.to(device=self.device, dtype=torch.int32).contiguous(),
-                               rows.to(device=self.device, dtype=torch.int32).contiguous(), group)
+        return self.dp.resolve(self._positions(topk).to(self.device), self._row_state(rows), group)
 
     def gather(self, row_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """Dense rows [batch rows, top_k, row_bytes] uint8 of one layer, in top-K order; zeros for -1."""
         self._need_step("gather()")
+        if not isinstance(row_ids, torch.Tensor) or row_ids.dtype != torch.int32:
+            raise InvalidArgumentError("row_ids must be the int32 tensor resolve() returned")
         return self.dp.gather(row_ids.contiguous(), layer)
 
     # ------------------------------------------------------------------ after the forward
 
-    def mirror_written(self) -> int:
-        """Copies this step's written rows whose page already has a durable host copy to the host pool (every
-        layer) and empties hot slots holding them; returns the rows mirrored. The core copies whole pages once
-        they are complete, so appended tokens normally need none; an engine that rewrites rows (e.g. after
-        rejected speculative tokens) relies on it. :meth:`end_step` calls it."""
-        step = self._need_step("mirror_written()")
-        if self._mirrored:
-            return 0
-        self._mirrored = True
-        bs = self.layout.block_size
-        st = self.dp.state
-        pairs: list[tuple[int, int]] = []
-        invalid: list[tuple[int, int]] = []
-        for r in step.requests:
-            if r.num_tokens == 0:
-                continue
-            first, last = r.start // bs, (r.seq_len - 1) // bs
-            host = st["host_table"][r.row, first: last + 1]
-            if not bool((host >= 0).any()):
-                continue
-            positions = torch.arange(r.start, r.seq_len, dtype=torch.int64, device=self.device)
-            hb = st["host_table"][r.row, positions // bs].to(torch.int64)
-            gb = st["block_table"][r.row, positions // bs].to(torch.int64)
-            keep = (hb >= 0) & (gb > 0)
-            gpu_rows = (gb * bs + positions % bs)[keep].tolist()
-            host_rows = (hb * bs + positions % bs)[keep].tolist()
-            pairs += list(zip(gpu_rows, host_rows, strict=True))
-            invalid += [(r.row, int(p)) for p in positions[keep].tolist()]
-        if pairs:
-            self.dp.mirror(pairs)
-            self.dp.invalidate(invalid)
-        return len(pairs)
-
-    def end_step(self) -> StepResults:
-        """Ends the step after the forward: mirrors written rows, waits for this step's copies, and returns the
-        results for :meth:`SchedulerHooks.apply_results`."""
+    def end_step(self, *, flush: bool = False) -> StepResults:
+        """Ends the step after the forward and returns the results for :meth:`SchedulerHooks.apply_results`:
+        the host copies that are done (on CUDA, those whose event has passed; the others come with a later
+        step); every ``heat_interval`` steps a heat summary and the resolver's counters (``flush``: the counters
+        now, e.g. at the end of a run). Never waits for the device."""
         step = self._need_step("end_step()")
-        self.mirror_written()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        taken = self.dp.take_heat([r.row for r in step.requests])
-        heat = {r.request_id: taken[r.row] for r in step.requests}
-        now = self._read_counters()
-        hits, misses, h2d = (a - b for a, b in zip(now, self._counters, strict=True))
-        self._counters = now
-        results = StepResults(step.step, tuple(self._started), (), heat, hits, misses, h2d)
+        # Every interval, and sooner at the start (steps 1, 2, 4...), when a worker has nothing ranked yet.
+        n = step.step
+        due = n % self.heat_interval == 0 or (n < self.heat_interval and not n & (n - 1))
+        if due:  # first: if it refuses, nothing below has been taken yet
+            self._summaries.append(self.dp.start_heat_summary(self.heat_coldest, self.heat_hottest))
+        if not self._cuda:  # copies on CPU are done when apply() returns
+            completed = tuple(t for f in self._in_flight for t in f.transfers)
+            self._in_flight = []
+        else:
+            finished = [f.done() for f in self._in_flight]  # one query each: an event may pass meanwhile
+            completed = tuple(t for f, ok in zip(self._in_flight, finished, strict=True) if ok for t in f.transfers)
+            self._in_flight = [f for f, ok in zip(self._in_flight, finished, strict=True) if not ok]
+        # A summary goes out once it reached the host (on CPU: now); a later one replaces an earlier one.
+        heat = None
+        while self._summaries and self._summaries[0].ready():
+            heat = self._summaries.pop(0).take()
         self._step = None
-        self._started = []
-        return results
+        if not due and not flush:
+            return StepResults(step.step, completed, (), heat)
+        hits, misses, h2d = self._counters.take(self.dp.state["counters"])
+        return StepResults(step.step, completed, (), heat, hits, misses, h2d)

@@ -5,7 +5,7 @@ of them resident; an indexer stand-in picks top-K positions with temporal locali
 is derived from (content, position, layer), so at the end every position of every request is read back
 through ``resolve`` and compared byte for byte.
 
-:class:`Driver` is the worker + scheduler loop used by the scenario and by the tests.
+:class:`Driver` is the serving loop (through the engine hooks) of the scenario and of the tests.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import argparse
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ._core import ResidencyManager, StepPlan
 from .datapath import DataPath, Layout
 from .errors import CapacityError
+from .hooks import SchedulerHooks, WorkerHooks, WorkerStep
+from .tools.argtypes import seed
 
 
 def expected_rows(keys: torch.Tensor, positions: torch.Tensor, layer: int, row_bytes: int) -> torch.Tensor:
@@ -43,21 +45,42 @@ class RequestSpec:
 
 
 class Driver:
-    """Scheduler and worker in one loop, with content checks. Transfers complete on request, so a test can
-    deliver them late, out of order, or failed."""
+    """A serving loop through the engine hooks (:class:`~hisparse.hooks.SchedulerHooks` and
+    :class:`~hisparse.hooks.WorkerHooks`, exactly the calls an engine makes), with content checks.
 
-    def __init__(self, manager: ResidencyManager, datapath: DataPath, top_k: int, seed: int = 0):
+    Requests are named by ints. A step stays open on the worker after :meth:`step`, so that the caller can
+    resolve in it; the next :meth:`step` or :meth:`close` ends it and hands its results to the scheduler.
+    Copies the worker finished are delivered late on purpose: each close reports a random ``deliver`` part of
+    all finished copies so far (some of them as failed), and withholds the rest for a later step's results.
+    """
+
+    def __init__(self, manager: ResidencyManager, datapath: DataPath, top_k: int, seed: int = 0,
+                 heat_interval: int = 1):
+        self.sched = SchedulerHooks(manager)
+        self.worker = WorkerHooks(datapath, heat_interval=heat_interval)
         self.m = manager
         self.dp = datapath
         self.top_k = top_k
         self.rng = random.Random(seed)
         self.specs: dict[int, RequestSpec] = {}
-        self.in_flight: list[int] = []
+        self.open: WorkerStep | None = None
+        self.withheld: list[int] = []  # copies the worker finished that the scheduler has not been told of
         self.transitions: list[tuple[int, str, str]] = []
 
     @property
     def layout(self) -> Layout:
         return self.dp.layout
+
+    @staticmethod
+    def name(request_id: int) -> str:
+        return f"r{request_id}"
+
+    def core(self, request_id: int) -> int:
+        """The manager's id of a request (for the manager's own views)."""
+        return self.sched.core_id(self.name(request_id))
+
+    def info(self, request_id: int) -> dict:
+        return self.sched.request_info(self.name(request_id))
 
     def content_keys(self, request_id: int, positions: torch.Tensor) -> torch.Tensor:
         spec = self.specs[request_id]
@@ -65,59 +88,86 @@ class Driver:
         return torch.where(positions < spec.shared_tokens, torch.full_like(positions, spec.family), own)
 
     def prefix_hashes(self, family: int, shared_tokens: int) -> list[int]:
-        """Page hashes of a family's shared prefix (each covers the family and everything before it)."""
-        return [family * 1_000_003 + page + 1 for page in range(shared_tokens // self.layout.block_size)]
+        """Page hashes of a family's shared prefix (each covers the family and everything before it); some
+        negative, as Python's ``hash()`` gives."""
+        pages = shared_tokens // self.layout.block_size
+        return [(family * 1_000_003 + page + 1) * (-1) ** page for page in range(pages)]
+
+    # ------------------------------------------------------------------ the scheduler's side
 
     def admit(self, request_id: int, prompt_len: int, family: int = -1, shared_tokens: int = 0,
               max_len: int | None = None):
         spec = RequestSpec(family, shared_tokens if family >= 0 else 0, prompt_len,
                            max_len or self.layout.max_model_len)
         hashes = self.prefix_hashes(family, spec.shared_tokens) if family >= 0 else []
+        admission = self.sched.admit(self.name(request_id), prompt_len, hashes, max_len)
         self.specs[request_id] = spec
-        try:
-            admission = self.m.admit(request_id, prompt_len, hashes, max_len)
-        except Exception:
-            del self.specs[request_id]
-            raise
         spec.written = admission.cached_tokens
         return admission
 
-    def step(self, scheduled: list[tuple[int, int]]) -> StepPlan:
-        """Plans, applies, and writes the scheduled tokens' rows. A short plan changes nothing."""
-        plan = self.m.plan_step(scheduled)
-        self.transitions += plan.transitions
-        if not plan.ok:
-            return plan
-        self.in_flight += self.dp.apply(plan)
+    def finish(self, request_id: int) -> None:
+        self.sched.finish(self.name(request_id))
+
+    def preempt(self, request_id: int) -> int:
+        kept = self.sched.preempt(self.name(request_id))
+        self.specs[request_id].written = kept
+        return kept
+
+    def resume(self, request_id: int):
+        return self.sched.resume(self.name(request_id))
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, scheduled: list[tuple[int, int]], deliver: float = 0.0, fail: float = 0.0) -> StepPlan:
+        """Closes the open step (see :meth:`close`), then plans, applies, and writes the scheduled tokens'
+        rows. A short plan changes nothing and leaves no step open."""
+        self.close(deliver, fail)
+        step = self.sched.plan_step([(self.name(rid), n) for rid, n in scheduled])
+        self.transitions += step.plan.transitions
+        if not step.ok:
+            return step.plan
+        self.worker.apply(step)
+        self.open = step
         for request_id, tokens in scheduled:
             self.write(request_id, tokens)
-        return plan
+        return step.plan
+
+    def close(self, deliver: float = 1.0, fail: float = 0.0) -> None:
+        """Ends the open step (if any) and hands its results to the scheduler with a random ``deliver`` part of
+        every copy finished so far, in random order, a ``fail`` part of those reported as failed."""
+        if self.open is None:
+            return
+        results = self.worker.end_step()
+        self.open = None
+        self.withheld += results.completed
+        chosen = [t for t in self.withheld if self.rng.random() < deliver]
+        self.rng.shuffle(chosen)
+        failed = [t for t in chosen if self.rng.random() < fail]
+        done = set(chosen)
+        self.withheld = [t for t in self.withheld if t not in done]
+        failed_set = set(failed)
+        ok = tuple(t for t in chosen if t not in failed_set)
+        self.sched.apply_results(replace(results, completed=ok, failed=tuple(failed)))
+
+    def in_step(self) -> WorkerStep:
+        """The open step, opening an empty one if there is none (the worker reads only inside a step)."""
+        if self.open is None:
+            self.step([])
+        assert self.open is not None
+        return self.open
 
     def write(self, request_id: int, tokens: int) -> None:
         spec = self.specs[request_id]
-        row = self.m.request_info(request_id)["row"]
         positions = torch.arange(spec.written, spec.written + tokens, dtype=torch.int64)
         spec.written += tokens
         if tokens == 0:
             return
-        rows = self.dp.token_rows(row, positions)
         keys = self.content_keys(request_id, positions)
         for layer in range(self.layout.num_layers):
-            self.dp.gpu[layer, rows] = expected_rows(keys, positions, layer, self.layout.row_bytes)
+            self.worker.write(self.name(request_id), positions, layer,
+                              expected_rows(keys, positions, layer, self.layout.row_bytes))
 
-    def complete(self, fraction: float = 1.0, fail: float = 0.0) -> None:
-        """Reports a random part of the in-flight copies, in random order, some of them failed."""
-        chosen = [t for t in self.in_flight if self.rng.random() < fraction]
-        self.rng.shuffle(chosen)
-        chosen_set = set(chosen)
-        self.in_flight = [t for t in self.in_flight if t not in chosen_set]
-        failed = [t for t in chosen if self.rng.random() < fail]
-        failed_set = set(failed)
-        if failed:
-            self.m.complete(failed, ok=False)
-        ok = [t for t in chosen if t not in failed_set]
-        if ok:
-            self.m.complete(ok, ok=True)
+    # ------------------------------------------------------------------ reads
 
     def select(self, request_id: int) -> list[int]:
         """An indexer stand-in: most of the last selection again, some recent tokens, some anywhere."""
@@ -132,19 +182,17 @@ class Driver:
         return spec.positions
 
     def decode_resolve(self, request_ids: list[int]) -> torch.Tensor:
-        """Resolves one top-K row per request (group 0 and every other group) and checks what it reads."""
-        rows = [self.m.request_info(r)["row"] for r in request_ids]
+        """Resolves one top-K row per request (every group) in the open step and checks what it reads."""
+        self.in_step()
+        rows = [self.info(r)["row"] for r in request_ids]
         topk = torch.full((len(request_ids), self.top_k), -1, dtype=torch.int32)
         for i, r in enumerate(request_ids):
             sel = self.select(r)
             topk[i, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
         row_state = torch.tensor(rows, dtype=torch.int32)
         for group in range(self.layout.num_groups):
-            row_ids = self.dp.resolve(topk, row_state, group)
+            row_ids = self.worker.resolve(topk, row_state, group)
             self.check(request_ids, topk, row_ids, group)
-        heat = self.dp.take_heat(rows)
-        for r, row in zip(request_ids, rows, strict=True):
-            self.m.report_heat(r, *heat[row])
         return topk
 
     def check(self, request_ids: list[int], topk: torch.Tensor, row_ids: torch.Tensor, group: int) -> None:
@@ -153,11 +201,11 @@ class Driver:
             positions = topk[i][valid].to(torch.int64)
             ids = row_ids[i][valid]
             if bool((ids < 0).any()):
-                status = int(self.dp.state["status"][self.m.request_info(r)["row"]])
+                status = int(self.dp.state["status"][self.info(r)["row"]])
                 raise AssertionError(f"request {r}: unresolved rows (status {status})")
             keys = self.content_keys(r, positions)
             for layer in self.layout.layers_of(group):
-                got = self.dp.gpu[layer, ids.to(torch.int64)]
+                got = self.worker.gather(row_ids[i : i + 1], layer)[0][valid]
                 want = expected_rows(keys, positions, layer, self.layout.row_bytes)
                 if not torch.equal(got, want):
                     bad = int((got != want).any(dim=1).nonzero()[0])
@@ -168,16 +216,16 @@ class Driver:
 
     def verify_all(self, request_id: int) -> int:
         """Reads every written position of a running request through ``resolve``; returns rows checked."""
+        self.in_step()
         spec = self.specs[request_id]
-        row = self.m.request_info(request_id)["row"]
+        row = torch.tensor([self.info(request_id)["row"]], dtype=torch.int32)
         checked = 0
         for start in range(0, spec.written, self.top_k):
             positions = torch.arange(start, min(spec.written, start + self.top_k), dtype=torch.int32)
             topk = torch.full((1, self.top_k), -1, dtype=torch.int32)
             topk[0, : len(positions)] = positions
             for group in range(self.layout.num_groups):
-                row_ids = self.dp.resolve(topk, torch.tensor([row], dtype=torch.int32), group)
-                self.check([request_id], topk, row_ids, group)
+                self.check([request_id], topk, self.worker.resolve(topk, row, group), group)
             checked += len(positions)
         return checked
 
@@ -209,7 +257,7 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
             # Preempted requests come back first, from the host, without recomputing their kept prefix.
             rid = preempted[0]
             try:
-                a = manager.resume(rid)
+                a = driver.resume(rid)
                 preempted.pop(0)
                 running.append(rid)
                 say(f"step {steps:4d}  resume  request {rid:2d}: {a.cached_tokens} tokens on the host, "
@@ -236,29 +284,26 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
             if chunk:
                 scheduled.append((rid, chunk))
                 budget -= chunk if prefill_left[rid] else 0
-        plan = driver.step(scheduled)
+        plan = driver.step(scheduled, deliver=0.7)
         if not plan.ok:
             decode_only = [(rid, n) for rid, n in scheduled if not prefill_left[rid]]
-            plan = driver.step(decode_only) if decode_only else plan
+            plan = driver.step(decode_only, deliver=0.7) if decode_only else plan
             scheduled = decode_only
         calm = plan.ok
         if not plan.ok:
             # Preempt the newest request to the host; it resumes later from its durable pages.
             victim = running.pop()
-            kept = manager.preempt(victim)
-            spec = driver.specs[victim]
-            prefill_left[victim] += spec.written - kept
-            spec.written = kept
+            written = driver.specs[victim].written
+            kept = driver.preempt(victim)
+            prefill_left[victim] += written - kept
             preempted.append(victim)
             preemptions += 1
             say(f"step {steps:4d}  preempt request {victim:2d}: {plan.missing_blocks} blocks short, "
                 f"{kept} tokens kept on the host")
-            driver.complete()
             continue
         steps += 1
         for rid, frm, to in plan.transitions:
             say(f"step {steps:4d}  residency request {rid:2d}: {frm} -> {to}")
-        driver.complete(fraction=0.7)
         decoders = []
         for rid, chunk in scheduled:
             if prefill_left[rid]:
@@ -271,9 +316,10 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
         running_samples.append(len(running))
         for rid in [r for r in running if decode_left[r] == 0]:
             checked += driver.verify_all(rid)
-            manager.finish(rid)
+            driver.finish(rid)
             running.remove(rid)
         manager.check_invariants()
+    driver.close()
     counters = driver.dp.counters
     return {
         "steps": steps,
@@ -291,9 +337,8 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("scenario", help="a small serving run on the CPU path, checked byte for byte",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=0)
+    p = subparsers.add_parser("scenario", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=seed, default=0, help="seeds the prompts and the indexer stand-in (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the log")
     p.set_defaults(func=main)
 

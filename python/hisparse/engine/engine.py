@@ -251,7 +251,7 @@ class Engine:
             running_samples.append(len(self.running))
             self.worker.apply(step)
             new_tokens = self._forward(step)
-            self.sched.apply_results(self.worker.end_step())
+            self.sched.apply_results(self.worker.end_step(flush=True))  # exact counters every step: a reference
             for r, n in batch:
                 old = r.computed
                 r.computed += n

@@ -5,7 +5,8 @@ same files, so an installed wheel compiles exactly what the repository holds. NV
 everything here runs on any machine that has the NVRTC library; only :func:`select_arch` needs the
 device's compute capability and driver version.
 
-``python -m hisparse.kernels.compiler`` prints the register and spill report as JSON.
+``python -m hisparse.kernels.compiler`` prints the register and spill report as JSON (for the architectures CI
+compiles for, ``launch.COMPILED_ARCHS``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
+from .launch import COMPILED_ARCHS
+
 # Source file stem -> the extern "C" kernels it defines.
 KERNELS: dict[str, tuple[str, ...]] = {
     "resolve": ("hisparse_resolve", "hisparse_invalidate"),
     "copy": ("hisparse_gather", "hisparse_copy_rows", "hisparse_copy_blocks", "hisparse_replay"),
 }
 HEADERS = ("common.cuh",)
-OPTIONS = ("-std=c++17",)
+# -default-device: NVRTC takes the kernels' generic lambdas (auto parameters) for host code without it.
+OPTIONS = ("-std=c++17", "-default-device")
 
 
 class CompileError(RuntimeError):
@@ -37,12 +41,13 @@ class CompileError(RuntimeError):
 
 @dataclass(frozen=True)
 class KernelResources:
-    """What ptxas reported for one kernel."""
+    """What ptxas reported for one kernel (``shared_bytes``: its static shared memory)."""
 
     registers: int
     spill_stores: int
     spill_loads: int
     stack_bytes: int
+    shared_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ def _program_log(prog) -> str:
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
+_SHARED = re.compile(r"(\d+) bytes smem")
 
 
 def parse_resources(log: str) -> dict[str, KernelResources]:
@@ -146,7 +152,9 @@ def parse_resources(log: str) -> dict[str, KernelResources]:
         if frame is None or registers is None:
             raise CompileError(f"no ptxas resource line for {name} in the log:\n{log}")
         stack, stores, loads = (int(x) for x in frame.groups())
-        out[name] = KernelResources(int(registers.group(1)), stores, loads, stack)
+        shared = _SHARED.search(body)  # absent when the kernel has no static shared memory
+        smem = int(shared.group(1)) if shared else 0
+        out[name] = KernelResources(int(registers.group(1)), stores, loads, stack, smem)
     return out
 
 
@@ -233,8 +241,8 @@ def compile_kernel_source(name: str, arch: str) -> CompiledModule:
     return CompiledModule(name, arch, kind, image_path.read_bytes(), resources, log)
 
 
-def compile_report(archs: tuple[str, ...] = ("sm_80", "sm_90", "sm_100")) -> list[dict]:
-    """Registers per thread, spills and stack of every kernel for every arch (cubins)."""
+def compile_report(archs: tuple[str, ...] = COMPILED_ARCHS) -> list[dict]:
+    """Registers per thread, spills, stack and static shared memory of every kernel for every arch (cubins)."""
     rows = []
     for arch in archs:
         for name in KERNELS:

@@ -101,7 +101,9 @@ impl Config {
     /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
     pub fn min_gpu_footprint(&self) -> u32 {
         let hot_rows = if self.policy.tiers() { self.hot_rows } else { 0 };
-        steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1) as u32
+        // A zero block size is refused by validate(); until then, count it as no footprint.
+        steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1)
+            .map_or(0, |b| b.min(u32::MAX as u64) as u32)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -117,6 +119,9 @@ impl Config {
                 "pools are limited to {MAX_BLOCKS} blocks and 2^20 running requests (got {} GPU, {} host, {} running)",
                 self.num_gpu_blocks, self.num_host_blocks, self.max_running
             ));
+        }
+        if self.page_bytes > 1 << 40 {
+            return bad(format!("page_bytes ({}) is more than a TiB for one page: a typo?", self.page_bytes));
         }
         if self.num_index_groups == 0 || self.max_running == 0 {
             return bad("num_index_groups and max_running must be positive".into());
@@ -160,6 +165,104 @@ impl Config {
     }
 }
 
+/// What a caller chooses; [`Options::build`] fills in the defaults and validates. The defaults are
+/// decisions of the core (hot rows from top-K and speculation, the watermark from the pool), so they live
+/// here and not in a binding.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub num_gpu_blocks: u32,
+    pub max_model_len: u32,
+    pub block_size: u32,
+    /// Exactly one of `num_host_blocks` and `host_pool_gib` (which needs `page_bytes`).
+    pub num_host_blocks: Option<u32>,
+    pub host_pool_gib: Option<f64>,
+    pub page_bytes: u64,
+    pub max_running: u32,
+    pub top_k: u32,
+    /// Default: [`Config::default_hot_rows`].
+    pub hot_rows: Option<u32>,
+    pub speculative_tokens: u32,
+    pub num_index_groups: u32,
+    pub tail_pages: u32,
+    /// Default: [`Config::default_watermark`] (a hot region counted only when the policy tiers).
+    pub watermark: Option<u32>,
+    pub policy: PressurePolicy,
+    pub materialize_budget: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            num_gpu_blocks: 0,
+            max_model_len: 0,
+            block_size: 64,
+            num_host_blocks: None,
+            host_pool_gib: None,
+            page_bytes: 0,
+            max_running: 256,
+            top_k: 2048,
+            hot_rows: None,
+            speculative_tokens: 0,
+            num_index_groups: 1,
+            tail_pages: 2,
+            watermark: None,
+            policy: PressurePolicy::Coldest,
+            materialize_budget: 256,
+        }
+    }
+}
+
+impl Options {
+    pub fn build(&self) -> Result<Config> {
+        let bad = |m: String| Err(CoreError::Config(m));
+        let num_host_blocks = match (self.num_host_blocks, self.host_pool_gib) {
+            (Some(n), None) => n,
+            (None, Some(gib)) if self.page_bytes > 0 && gib.is_finite() && gib > 0.0 => {
+                let blocks = gib * (1u64 << 30) as f64 / self.page_bytes as f64;
+                if blocks > u32::MAX as f64 {
+                    return bad(format!(
+                        "host_pool_gib {gib} is {blocks:.0} blocks of {} bytes: too many",
+                        self.page_bytes
+                    ));
+                }
+                blocks as u32
+            }
+            (None, Some(gib)) => {
+                return bad(format!(
+                    "host_pool_gib ({gib}) needs a positive, finite size and a positive page_bytes"
+                ))
+            }
+            _ => return bad("give exactly one of num_host_blocks and host_pool_gib".into()),
+        };
+        let hot_rows = match self.hot_rows {
+            Some(rows) => rows,
+            None => Config::default_hot_rows(self.top_k, self.speculative_tokens)?,
+        };
+        // Without tiers nobody leases a hot region, so it does not size the watermark.
+        let hot_blocks =
+            if self.policy.tiers() && self.block_size > 0 { hot_rows.div_ceil(self.block_size) } else { 0 };
+        let cfg = Config {
+            num_gpu_blocks: self.num_gpu_blocks,
+            num_host_blocks,
+            block_size: self.block_size,
+            max_model_len: self.max_model_len,
+            max_running: self.max_running,
+            top_k: self.top_k,
+            hot_rows,
+            num_index_groups: self.num_index_groups,
+            tail_pages: self.tail_pages,
+            watermark: self
+                .watermark
+                .unwrap_or_else(|| Config::default_watermark(self.num_gpu_blocks, hot_blocks)),
+            policy: self.policy,
+            materialize_budget: self.materialize_budget,
+            page_bytes: self.page_bytes,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
 /// GPU blocks one request holds in steady state under pressure: its resident index keys (one block per page
 /// of `seq_len`, when the indexer's keys live in blocks of their own; pass 0 when they do not) and, per block
 /// group, its tail pages and a hot region.
@@ -173,9 +276,11 @@ pub fn steady_state_blocks(
     hot_rows: u32,
     tail_pages: u32,
     groups: u32,
-) -> u64 {
-    let bs = block_size.max(1) as u64;
-    seq_len.div_ceil(bs) + groups as u64 * (tail_pages as u64 + (hot_rows as u64).div_ceil(bs))
+) -> Option<u64> {
+    let bs = block_size as u64;
+    let per_group = (tail_pages as u64)
+        .checked_add((hot_rows as u64).checked_div(bs)? + (hot_rows as u64 % bs != 0) as u64)?;
+    seq_len.div_ceil(bs).checked_add((groups as u64).checked_mul(per_group)?)
 }
 
 #[cfg(test)]

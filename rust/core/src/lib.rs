@@ -5,21 +5,28 @@
 //! - [`page`]: the page state machine and derived request residency.
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
+//! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`reference`]: the CPU specification of every kernel in `cuda/` (see `cuda/SPEC.md`).
+//! - [`worker`]: applying a step plan to a worker's state, slab and host pool.
 
 pub mod block_pool;
+mod codec;
 pub mod config;
 pub mod error;
+pub mod heat;
 pub mod host_pool;
+mod ids;
 mod index_list;
 pub mod manager;
 pub mod page;
 pub mod plan;
 pub mod pool_policy;
 pub mod reference;
+pub mod worker;
 
-pub use config::{steady_state_blocks, Config, PressurePolicy};
+pub use config::{steady_state_blocks, Config, Options, PressurePolicy};
 pub use error::{CoreError, Resource, Result};
+pub use heat::HeatSummary;
 pub use manager::{Admission, RequestInfo, ResidencyManager, Stats};
 pub use page::{PageState, Residency};
 pub use plan::StepPlan;

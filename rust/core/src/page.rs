@@ -158,6 +158,8 @@ pub enum Residency {
 }
 
 impl Residency {
+    pub const ALL: [Residency; 3] = [Residency::Full, Residency::Mixed, Residency::None];
+
     pub fn name(&self) -> &'static str {
         match self {
             Residency::Full => "full",

@@ -1,7 +1,10 @@
 //! The CPU reference of the data path: `cuda/SPEC.md` as code. The CUDA kernels must match these
-//! functions bit for bit (outputs, hot state, LRU order, counters, heat, copied bytes).
+//! functions bit for bit (outputs, hot state, LRU order, counters, heat, status, copied bytes).
 //!
-//! Everything is validated before anything is written, so a bad input leaves every buffer as it was.
+//! Two kinds of bad input, as SPEC.md sorts them: corrupt state (a table entry out of range, an LRU
+//! that is not a permutation...) is skipped and flagged in `status`, as the kernels do; a malformed
+//! argument (a length, a state row, a row outside its slab) is refused with `InvalidArgument` before
+//! anything is written, since the caller can be told.
 
 use std::collections::HashMap;
 
@@ -44,8 +47,11 @@ pub struct LayerSlabs<'a> {
     pub host: &'a mut [u8],
 }
 
+/// The status bits of SPEC.md.
 pub const STATUS_OVERFLOW: i32 = 1;
 pub const STATUS_NO_HOST_COPY: i32 = 2;
+pub const STATUS_BAD_TABLE: i32 = 4;
+pub const STATUS_BAD_HOT: i32 = 8;
 
 /// What resolving one request will change, computed before anything is written.
 struct RequestOutcome {
@@ -69,6 +75,15 @@ fn check_len(name: &str, len: usize, want: usize) -> Result<()> {
 
 impl ResolveState<'_> {
     fn validate(&self, geo: &Geometry) -> Result<usize> {
+        if geo.block_size == 0 || geo.row_bytes == 0 || geo.row_bytes % 16 != 0 {
+            return invalid(format!(
+                "block_size ({}) must be positive and row_bytes ({}) a positive multiple of 16",
+                geo.block_size, geo.row_bytes
+            ));
+        }
+        if geo.hot_rows == 0 {
+            return invalid("hot_rows must be positive");
+        }
         let s = self.seq_lens.len();
         let (p, g, h) = (geo.pages, geo.groups, geo.hot_rows);
         check_len("block_table", self.block_table.len(), s * p)?;
@@ -79,21 +94,13 @@ impl ResolveState<'_> {
         check_len("heat", self.heat.len(), s * p)?;
         check_len("status", self.status.len(), s)?;
         check_len("counters", self.counters.len(), 3)?;
-        if geo.block_size == 0 || geo.row_bytes == 0 || geo.row_bytes % 16 != 0 {
-            return invalid(format!("row_bytes ({}) must be a positive multiple of 16", geo.row_bytes));
-        }
-        for (r, &len) in self.seq_lens.iter().enumerate() {
-            if len < 0 || len as usize > p * geo.block_size {
-                return invalid(format!("seq_lens[{r}] = {len} is outside 0..={}", p * geo.block_size));
-            }
-        }
         Ok(s)
     }
 }
 
 fn slab_rows(layers: &[LayerSlabs<'_>], geo: &Geometry) -> Result<(usize, usize)> {
     let Some(first) = layers.first() else {
-        return Ok((0, 0));
+        return invalid("resolve needs the layers of its group");
     };
     let rows = |len: usize, what: &str| -> Result<usize> {
         if len % geo.row_bytes != 0 {
@@ -113,7 +120,7 @@ fn slab_rows(layers: &[LayerSlabs<'_>], geo: &Geometry) -> Result<(usize, usize)
     Ok((g, h))
 }
 
-/// One resolver launch's input: `topk` is `[rows, top_k]`, `row_state` `[rows]` (-1: padding row).
+/// One resolver launch's input: `topk` is `[rows, top_k]`, `row_state` `[rows]` (negative: padding row).
 pub struct Batch<'a> {
     pub topk: &'a [i32],
     pub top_k: usize,
@@ -121,6 +128,9 @@ pub struct Batch<'a> {
 }
 
 /// `resolve` of SPEC.md for group `group`; `layers` are that group's layers (their hot rows are filled).
+///
+/// Malformed arguments (lengths, a group or state row out of range) are refused before anything is
+/// written; corrupt state is skipped and flagged in `status`, exactly as the kernel does.
 pub fn resolve(
     geo: &Geometry,
     st: &mut ResolveState<'_>,
@@ -138,12 +148,13 @@ pub fn resolve(
         return invalid(format!("group {group} out of range (groups = {})", geo.groups));
     }
     let (gpu_rows, host_rows) = slab_rows(layers, geo)?;
+    let blocks = Blocks { gpu: gpu_rows / geo.block_size, host: host_rows / geo.block_size };
     // Batch rows of each request, requests in order of their first row.
     let mut by_state: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut index: HashMap<usize, usize> = HashMap::new();
     for (i, &r) in row_state.iter().enumerate() {
-        if r < -1 || r >= s as i32 {
-            return invalid(format!("row_state[{i}] = {r} is outside -1..{s}"));
+        if r >= s as i32 {
+            return invalid(format!("row_state[{i}] = {r} is not a state row (there are {s})"));
         }
         if r >= 0 {
             let slot = *index.entry(r as usize).or_insert_with(|| {
@@ -153,11 +164,11 @@ pub fn resolve(
             by_state[slot].1.push(i);
         }
     }
-    let mut outcomes = Vec::with_capacity(by_state.len());
-    for (r, batch_rows) in &by_state {
-        outcomes.push(resolve_request(geo, st, topk, top_k, *r, batch_rows, group, gpu_rows, host_rows)?);
-    }
-    // Everything checked: write.
+    let outcomes: Vec<RequestOutcome> = by_state
+        .iter()
+        .map(|(r, batch_rows)| resolve_request(geo, st, topk, top_k, *r, batch_rows, group, blocks))
+        .collect();
+    // Everything decided: write.
     out.fill(-1);
     let (g, h, rb) = (geo.groups, geo.hot_rows, geo.row_bytes);
     for o in outcomes {
@@ -185,6 +196,21 @@ pub fn resolve(
     Ok(())
 }
 
+/// Whole blocks in the GPU slab and in the host pool: the valid block ids are below these.
+#[derive(Clone, Copy)]
+struct Blocks {
+    gpu: usize,
+    host: usize,
+}
+
+/// Whether `hot_lru` holds every slot `0 .. hot_lru.len()` exactly once.
+fn is_permutation(hot_lru: &[i32]) -> bool {
+    let mut seen = vec![false; hot_lru.len()];
+    hot_lru
+        .iter()
+        .all(|&s| (s as u32 as usize) < seen.len() && !std::mem::replace(&mut seen[s as usize], true))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn resolve_request(
     geo: &Geometry,
@@ -194,11 +220,9 @@ fn resolve_request(
     r: usize,
     batch_rows: &[usize],
     group: usize,
-    gpu_rows: usize,
-    host_rows: usize,
-) -> Result<RequestOutcome> {
+    blocks: Blocks,
+) -> RequestOutcome {
     let (bs, p, h) = (geo.block_size, geo.pages, geo.hot_rows);
-    let seq_len = st.seq_lens[r] as i64;
     let mut outcome = RequestOutcome {
         row: r,
         outputs: Vec::new(),
@@ -208,6 +232,12 @@ fn resolve_request(
         copies: Vec::new(),
         hits: 0,
     };
+    let max_len = (p * bs) as i64;
+    let mut seq_len = st.seq_lens[r] as i64;
+    if !(0..=max_len).contains(&seq_len) {
+        outcome.status |= STATUS_BAD_TABLE;
+        seq_len = seq_len.clamp(0, max_len);
+    }
     let mut seen: HashMap<i32, ()> = HashMap::new();
     let mut union: Vec<i32> = Vec::new();
     let mut unresolved: Vec<(usize, i32)> = Vec::new();
@@ -225,79 +255,74 @@ fn resolve_request(
                 outcome.heat_pages.push(page);
             }
             let block = st.block_table[r * p + page];
-            if block != 0 {
-                let row = block as usize * bs + off;
-                if block < 0 || row >= gpu_rows {
-                    return invalid(format!("block_table[{r}, {page}] = {block} is outside the GPU slab"));
-                }
-                outcome.outputs.push((flat, row as i32));
-            } else {
+            if block == 0 {
                 if first {
                     union.push(pos);
                 }
                 unresolved.push((flat, pos));
+            } else if block > 0 && (block as usize) < blocks.gpu {
+                outcome.outputs.push((flat, (block as usize * bs + off) as i32));
+            } else {
+                outcome.status |= STATUS_BAD_TABLE;
+                outcome.outputs.push((flat, -1));
             }
         }
     }
     if union.is_empty() {
-        return Ok(outcome);
+        return outcome;
     }
     let hb = geo.hot_blocks();
     let hot_blocks = &st.hot_blocks[r * hb..(r + 1) * hb];
-    let fail = |outcome: &mut RequestOutcome, status: i32| {
+    let fail = |mut outcome: RequestOutcome, status: i32| {
         outcome.status |= status;
         outcome.outputs.extend(unresolved.iter().map(|&(flat, _)| (flat, -1)));
+        outcome
     };
     if union.len() > h || hot_blocks[0] == 0 {
-        fail(&mut outcome, STATUS_OVERFLOW);
-        return Ok(outcome);
+        return fail(outcome, STATUS_OVERFLOW);
     }
-    for (i, &b) in hot_blocks.iter().enumerate() {
-        if b <= 0 || (b as usize + 1) * bs > gpu_rows {
-            return invalid(format!("hot_blocks[{r}, {i}] = {b} is outside the GPU slab"));
-        }
+    if hot_blocks.iter().any(|&b| b <= 0 || b as usize >= blocks.gpu) {
+        return fail(outcome, STATUS_BAD_HOT);
     }
     let base = (r * geo.groups + group) * h;
     let hot_pos = &st.hot_pos[base..base + h];
     let hot_lru = &st.hot_lru[base..base + h];
+    if !is_permutation(hot_lru) {
+        return fail(outcome, STATUS_BAD_HOT);
+    }
+    // Slot of each selected position that a slot holds; a selected position held twice is corrupt (other
+    // duplicates are harmless until they are selected).
+    let wanted: HashMap<i32, ()> = union.iter().map(|&pos| (pos, ())).collect();
     let mut slot_of: HashMap<i32, usize> = HashMap::with_capacity(h);
     for (slot, &pos) in hot_pos.iter().enumerate() {
-        if pos >= 0 && slot_of.insert(pos, slot).is_some() {
-            return invalid(format!("hot_pos[{r}, {group}] holds position {pos} twice"));
-        }
-    }
-    let mut lru_seen = vec![false; h];
-    for &slot in hot_lru {
-        if slot < 0 || slot as usize >= h || std::mem::replace(&mut lru_seen[slot as usize], true) {
-            return invalid(format!("hot_lru[{r}, {group}] is not a permutation of 0..{h}"));
+        if wanted.contains_key(&pos) && slot_of.insert(pos, slot).is_some() {
+            return fail(outcome, STATUS_BAD_HOT);
         }
     }
     let misses: Vec<i32> = union.iter().copied().filter(|pos| !slot_of.contains_key(pos)).collect();
     let mut hosts = Vec::with_capacity(misses.len());
+    let mut host_status = 0;
     for &pos in &misses {
         let (page, off) = (pos as usize / bs, pos as usize % bs);
         let hblock = st.host_table[r * p + page];
         if hblock < 0 {
-            fail(&mut outcome, STATUS_NO_HOST_COPY);
-            return Ok(outcome);
+            host_status |= STATUS_NO_HOST_COPY;
+        } else if hblock as usize >= blocks.host {
+            host_status |= STATUS_BAD_TABLE;
+        } else {
+            hosts.push(hblock as usize * bs + off);
         }
-        let row = hblock as usize * bs + off;
-        if row >= host_rows {
-            return invalid(format!("host_table[{r}, {page}] = {hblock} is outside the host pool"));
-        }
-        hosts.push(row);
     }
-    let hit_slots: std::collections::HashSet<usize> =
-        union.iter().filter_map(|pos| slot_of.get(pos).copied()).collect();
+    if host_status != 0 {
+        return fail(outcome, host_status);
+    }
+    let hit_slots: std::collections::HashSet<usize> = slot_of.values().copied().collect();
     let evictable: Vec<usize> =
         hot_lru.iter().map(|&s| s as usize).filter(|s| !hit_slots.contains(s)).collect();
     let hot_row = |slot: usize| hot_blocks[slot / bs] as usize * bs + slot % bs;
     let mut new_pos = hot_pos.to_vec();
     for (k, &pos) in misses.iter().enumerate() {
         let slot = evictable[k];
-        if let Some(&old) = hot_pos.get(slot).filter(|&&old| old >= 0) {
-            slot_of.remove(&old);
-        }
         new_pos[slot] = pos;
         slot_of.insert(pos, slot);
         outcome.copies.push((hot_row(slot), hosts[k]));
@@ -307,7 +332,7 @@ fn resolve_request(
     outcome.outputs.extend(unresolved.iter().map(|&(flat, pos)| (flat, hot_row(slot_of[&pos]) as i32)));
     outcome.hits = (union.len() - misses.len()) as i64;
     outcome.hot = Some((new_pos, new_lru));
-    Ok(outcome)
+    outcome
 }
 
 /// `gather` of SPEC.md for one layer: `out` is `[rows * top_k, row_bytes]`.
@@ -339,7 +364,8 @@ pub enum Direction {
 }
 
 /// `copy_rows` (`unit = 1`) and `copy_blocks` (`unit = block_size`) of SPEC.md: pairs of (GPU, host)
-/// indices in units of `unit` rows, for every layer; pairs with a negative entry are skipped.
+/// indices in units of `unit` rows, for every layer; pairs with a negative entry are skipped. An entry
+/// outside its slab or pool, or two pairs with one destination, are refused.
 pub fn copy_units(
     pairs: &[i64],
     unit: usize,
@@ -354,24 +380,24 @@ pub fn copy_units(
     if bytes == 0 {
         return invalid("copies need a positive unit and row size");
     }
+    let live = || pairs.chunks_exact(2).map(|p| (p[0], p[1])).filter(|&(g, h)| g >= 0 && h >= 0);
     for l in layers.iter() {
-        for pair in pairs.chunks_exact(2) {
-            let (g, h) = (pair[0], pair[1]);
-            if g < 0 || h < 0 {
-                continue;
-            }
+        for (g, h) in live() {
             // Compared in units, so a huge index cannot overflow into a passing bound.
             if g as u64 >= (l.gpu.len() / bytes) as u64 || h as u64 >= (l.host.len() / bytes) as u64 {
                 return invalid(format!("copy pair ({g}, {h}) is outside the slab or the host pool"));
             }
         }
     }
+    let mut destinations = std::collections::HashSet::new();
+    for (g, h) in live() {
+        let dst = if direction == Direction::DeviceToHost { h } else { g };
+        if !destinations.insert(dst) {
+            return invalid(format!("two copy pairs write unit {dst}: destinations must be distinct"));
+        }
+    }
     for l in layers.iter_mut() {
-        for pair in pairs.chunks_exact(2) {
-            let (g, h) = (pair[0], pair[1]);
-            if g < 0 || h < 0 {
-                continue;
-            }
+        for (g, h) in live() {
             let (g, h) = (g as usize * bytes, h as usize * bytes);
             match direction {
                 Direction::DeviceToHost => l.host[h..h + bytes].copy_from_slice(&l.gpu[g..g + bytes]),
@@ -385,7 +411,10 @@ pub fn copy_units(
 /// `invalidate` of SPEC.md: pairs of (state row, position).
 pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_lru: &mut [i32], pairs: &[i32]) -> Result<()> {
     let h = geo.hot_rows;
-    let rows = hot_pos.len() / (geo.groups * h).max(1);
+    if h == 0 || geo.groups == 0 || hot_pos.len() % (geo.groups * h) != 0 {
+        return invalid("hot_pos must be [rows, groups, hot_rows] with groups and hot_rows positive");
+    }
+    let rows = hot_pos.len() / (geo.groups * h);
     check_len("hot_lru", hot_lru.len(), hot_pos.len())?;
     if pairs.len() % 2 != 0 {
         return invalid("pairs must have shape [n, 2]");
@@ -394,27 +423,27 @@ pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_lru: &mut [i32], pair
         return invalid(format!("state row {} is outside 0..{rows}", p[0]));
     }
     for r in 0..rows {
-        let targets: Vec<i32> = pairs.chunks_exact(2).filter(|p| p[0] == r as i32).map(|p| p[1]).collect();
+        let targets: std::collections::HashSet<i32> =
+            pairs.chunks_exact(2).filter(|p| p[0] == r as i32 && p[1] >= 0).map(|p| p[1]).collect();
         if targets.is_empty() {
             continue;
         }
         for g in 0..geo.groups {
             let base = (r * geo.groups + g) * h;
-            let pos = &mut hot_pos[base..base + h];
-            let mut emptied = Vec::new();
-            for &t in &targets {
-                if let Some(slot) = pos.iter().position(|&p| p == t && t >= 0) {
-                    pos[slot] = -1;
-                    emptied.push(slot as i32);
+            let mut emptied = vec![false; h];
+            for (slot, pos) in hot_pos[base..base + h].iter_mut().enumerate() {
+                if targets.contains(pos) {
+                    *pos = -1;
+                    emptied[slot] = true;
                 }
             }
-            if emptied.is_empty() {
+            let lru = &mut hot_lru[base..base + h];
+            if !emptied.contains(&true) || !is_permutation(lru) {
                 continue;
             }
-            let lru = &mut hot_lru[base..base + h];
-            let rest: Vec<i32> = lru.iter().copied().filter(|s| !emptied.contains(s)).collect();
-            lru[..emptied.len()].copy_from_slice(&emptied);
-            lru[emptied.len()..].copy_from_slice(&rest);
+            let mut order: Vec<i32> = (0..h as i32).filter(|&s| emptied[s as usize]).collect();
+            order.extend(lru.iter().copied().filter(|&s| !emptied[s as usize]));
+            lru.copy_from_slice(&order);
         }
     }
     Ok(())

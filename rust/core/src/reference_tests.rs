@@ -114,22 +114,110 @@ fn overflow_and_missing_host_copy_fail_without_changing_state() {
 }
 
 #[test]
-fn bad_tables_are_refused_before_any_write() {
+fn malformed_arguments_are_refused_before_any_write() {
     let mut f = Fixture::new();
-    f.block_table[1] = 99;
-    assert!(f.resolve(&[0, 2], 2, &[0]).is_err());
-    assert_eq!(f.heat, vec![0; 4]);
     assert!(f.resolve(&[0], 1, &[1]).is_err(), "row_state beyond the state rows");
+    assert!(f.resolve(&[0, 2], 1, &[0]).is_err(), "topk of the wrong length");
+    assert_eq!((f.heat.clone(), f.status.clone()), (vec![0; 4], vec![0]));
+    // Any negative state row is a padding row, as on the GPU.
+    assert_eq!(f.resolve(&[0, 2], 1, &[-7, -1]).unwrap(), vec![-1, -1]);
+    assert_eq!(f.heat, vec![0; 4]);
 }
 
 #[test]
-fn invalidate_moves_emptied_slots_to_the_front() {
+fn a_bad_block_table_entry_is_skipped_and_flagged() {
+    let mut f = Fixture::new();
+    f.block_table[1] = 8; // one past the slab's last block
+    f.block_table[3] = -3;
+    let out = f.resolve(&[2, 0, 6, 3], 4, &[0]).unwrap();
+    assert_eq!(out, vec![-1, 12, -1, -1]);
+    assert_eq!(f.status, vec![STATUS_BAD_TABLE]);
+    assert_eq!(f.heat, vec![1, 2, 0, 1], "heat counts every distinct valid position");
+    assert_eq!(f.hot_pos, vec![0, -1, -1, -1], "the rest of the request resolves");
+}
+
+#[test]
+fn a_seq_len_past_the_pages_is_clamped_and_flagged() {
+    let mut f = Fixture::new();
+    f.seq_lens[0] = 9; // 4 pages of 2 tokens hold 8
+    let out = f.resolve(&[7, 8], 2, &[0]).unwrap();
+    assert_eq!(out, vec![5 * 2 + 1, -1]);
+    assert_eq!(f.status, vec![STATUS_BAD_TABLE]);
+    f.seq_lens[0] = -1;
+    assert_eq!(f.resolve(&[2], 1, &[0]).unwrap(), vec![-1]);
+}
+
+/// Resolves two misses (positions 0 and 4) and returns what changed, or `None` when nothing but heat
+/// and status did.
+fn hot_state_after(f: &mut Fixture) -> Option<(Vec<i32>, Vec<i32>)> {
+    let before = (f.hot_pos.clone(), f.hot_lru.clone(), f.counters.clone(), f.gpu.clone());
+    let out = f.resolve(&[0, 4], 2, &[0]).unwrap();
+    if out == vec![-1, -1] {
+        assert_eq!(before, (f.hot_pos.clone(), f.hot_lru.clone(), f.counters.clone(), f.gpu.clone()));
+        return None;
+    }
+    Some((f.hot_pos.clone(), f.hot_lru.clone()))
+}
+
+/// A named corruption of a fresh fixture and the status it must raise.
+type Corruption = (&'static str, fn(&mut Fixture), i32);
+
+#[test]
+fn corrupt_hot_state_fails_the_request_without_writes() {
+    let cases: [Corruption; 6] = [
+        ("hot block 8", |f| f.hot_blocks[1] = 8, STATUS_BAD_HOT),
+        ("hot block 0 after the first", |f| f.hot_blocks[1] = 0, STATUS_BAD_HOT),
+        ("LRU entry out of range", |f| f.hot_lru[2] = 13, STATUS_BAD_HOT),
+        ("LRU entry twice", |f| f.hot_lru[2] = 0, STATUS_BAD_HOT),
+        ("a selected position in two slots", |f| f.hot_pos = vec![4, -1, 4, -1], STATUS_BAD_HOT),
+        ("host block past the pool", |f| f.host_table[2] = 4, STATUS_BAD_TABLE),
+    ];
+    for (what, corrupt, status) in cases {
+        let mut f = Fixture::new();
+        corrupt(&mut f);
+        assert_eq!(hot_state_after(&mut f), None, "{what}");
+        assert_eq!(f.status, vec![status], "{what}");
+        assert_eq!(f.heat, vec![1, 0, 1, 0], "{what}: heat counts anyway");
+    }
+}
+
+#[test]
+fn a_duplicate_that_is_not_selected_is_harmless() {
+    let mut f = Fixture::new();
+    f.hot_pos = vec![5, -1, 5, -1];
+    f.hot_lru = vec![1, 3, 0, 2];
+    assert_eq!(hot_state_after(&mut f), Some((vec![5, 0, 5, 4], vec![0, 2, 1, 3])));
+    assert_eq!(f.status, vec![0]);
+}
+
+#[test]
+fn missing_and_bad_host_copies_both_flag() {
+    let mut f = Fixture::new();
+    f.host_table = vec![-1, -1, 9, -1];
+    assert_eq!(hot_state_after(&mut f), None);
+    assert_eq!(f.status, vec![STATUS_NO_HOST_COPY | STATUS_BAD_TABLE]);
+}
+
+#[test]
+fn invalidate_empties_slots_and_moves_them_to_the_front_in_slot_order() {
     let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 1, row_bytes: RB };
     let mut pos = vec![7, 3, 9, 1];
     let mut lru = vec![2, 0, 3, 1];
-    invalidate(&geo, &mut pos, &mut lru, &[0, 1, 0, 9, -1, 3]).unwrap();
+    invalidate(&geo, &mut pos, &mut lru, &[0, 1, 0, 9, -1, 3, 0, 9, 0, -5]).unwrap();
     assert_eq!(pos, vec![7, 3, -1, -1]);
-    assert_eq!(lru, vec![3, 2, 0, 1]);
+    assert_eq!(lru, vec![2, 3, 0, 1]);
+}
+
+#[test]
+fn invalidate_empties_every_duplicate_and_leaves_a_corrupt_lru_alone() {
+    let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 2, row_bytes: RB };
+    // Row 0 group 0 holds 5 twice; group 1's LRU names slot 1 twice.
+    let mut pos = vec![5, 2, 5, 6, 5, 8, -1, 2];
+    let mut lru = vec![3, 2, 1, 0, 1, 1, 0, 2];
+    invalidate(&geo, &mut pos, &mut lru, &[0, 5, 0, 2]).unwrap();
+    assert_eq!(pos, vec![-1, -1, -1, 6, -1, 8, -1, -1]);
+    assert_eq!(lru, vec![0, 1, 2, 3, 1, 1, 0, 2]);
+    assert!(invalidate(&geo, &mut pos, &mut lru, &[1, 5]).is_err(), "state row 1 of 1");
 }
 
 #[test]
@@ -139,7 +227,13 @@ fn copies_and_gather_move_whole_rows() {
     let mut layers = [LayerSlabs { gpu: &mut gpu, host: &mut host }];
     copy_units(&[1, 0, -1, 3], 2, RB, Direction::HostToDevice, &mut layers).unwrap();
     assert!(copy_units(&[2, 0], 2, RB, Direction::HostToDevice, &mut layers).is_err());
+    let before = layers[0].gpu.to_vec();
+    let twice = copy_units(&[1, 0, 1, 1], 1, RB, Direction::HostToDevice, &mut layers);
+    assert!(twice.unwrap_err().to_string().contains("destinations must be distinct"));
+    assert_eq!(layers[0].gpu, &before[..]);
+    copy_units(&[0, 1, 1, 1], 1, RB, Direction::HostToDevice, &mut layers).unwrap();
     let mut dense = vec![9u8; 3 * RB];
+    assert!(gather(&[2, -1, 4], &gpu, RB, &mut dense).is_err(), "row 4 of 4");
     gather(&[2, -1, 3], &gpu, RB, &mut dense).unwrap();
     assert!(dense[..RB].iter().all(|&b| b == 1));
     assert!(dense[RB..2 * RB].iter().all(|&b| b == 0));

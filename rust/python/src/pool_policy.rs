@@ -32,7 +32,7 @@ impl PoolPolicy {
     /// the summary stopped at its size limit (unlisted pages are then hotter than every listed one).
     fn report(&self, request: &str, pages: Vec<u32>, heat: Vec<u32>, full: bool) -> PyResult<()> {
         if pages.len() != heat.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            return Err(crate::errors::invalid(format!(
                 "{} pages but {} heat values",
                 pages.len(),
                 heat.len()

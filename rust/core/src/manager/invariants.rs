@@ -74,7 +74,7 @@ impl ResidencyManager {
                         }
                     }
                     PageState::Clean { .. } if !in_tail => {
-                        releasable.insert((p.heat, page));
+                        releasable.insert(page);
                     }
                     PageState::Released { block, .. } => {
                         released += 1;

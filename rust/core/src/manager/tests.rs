@@ -191,8 +191,12 @@ fn run(cfg: Config, ops: Vec<Op>) {
                 let id = ids[i % ids.len()];
                 let n = m.request_info(id).unwrap().num_pages as usize;
                 let pages: Vec<u32> = (0..n as u32).filter(|p| (seed >> (p % 32)) & 1 == 1).collect();
-                let heat: Vec<u32> = pages.iter().map(|p| 1 + (seed >> ((p + 7) % 32)) % 3).collect();
-                m.report_heat(id, &pages, &heat).unwrap();
+                let mut summary = HeatSummary::default();
+                let ranked: Vec<(u32, u32)> =
+                    pages.iter().map(|p| (1 + (seed >> ((p + 7) % 32)) % 3, *p)).collect();
+                let (coldest, hottest) = ranked.split_at(ranked.len() / 2);
+                summary.push(id, coldest.to_vec(), hottest.to_vec());
+                m.apply_results(&[], &[], &summary).unwrap();
             }
             _ => {}
         }
@@ -334,8 +338,9 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert!(matches!(m.plan_step(&[(1, 1), (1, 1)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.plan_step(&[(1, 1000)]), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.complete(&[77], true), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(m.report_heat(1, &[0], &[3]), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(m.report_heat(1, &[], &[3]), Err(CoreError::InvalidArgument(_))));
+    let ragged =
+        HeatSummary { requests: vec![1], offsets: vec![0, 1], cold: vec![1], pages: vec![0], heat: vec![] };
+    assert!(matches!(m.apply_results(&[], &[], &ragged), Err(CoreError::InvalidArgument(_))));
     assert!(matches!(m.finish(5), Err(CoreError::UnknownRequest(5))));
     m.check_invariants().unwrap();
 }
@@ -371,5 +376,78 @@ fn hashes_added_later_make_generated_pages_reusable() {
     m.finish(1).unwrap();
     let a = m.admit(2, 17, &[11, 12, 13, 14], None).unwrap();
     assert_eq!(a.cached_tokens, 16);
+    m.check_invariants().unwrap();
+}
+
+fn coldest_setup() -> ResidencyManager {
+    // 40 blocks of 16 tokens, top_k 16: a hot region of 32 rows is 2 blocks; the watermark is 4.
+    let mut cfg = test_config(40, 64);
+    (cfg.block_size, cfg.max_model_len, cfg.top_k, cfg.hot_rows, cfg.watermark) = (16, 512, 16, 32, 4);
+    let mut m = ResidencyManager::new(cfg).unwrap();
+    m.admit(1, 320, &[], None).unwrap();
+    m.plan_step(&[(1, 320)]).unwrap();
+    let copies: Vec<u64> = m.plan_step(&[(1, 1)]).unwrap().materialize.iter().map(|c| c.transfer).collect();
+    m.complete(&copies, true).unwrap(); // 20 complete pages are clean on the host
+    m
+}
+
+fn released(m: &ResidencyManager, id: u64) -> Vec<usize> {
+    let states = m.page_states(id).unwrap();
+    states.iter().enumerate().filter(|(_, s)| **s == "released").map(|(i, _)| i).collect()
+}
+
+#[test]
+fn coldest_releases_what_the_latest_summary_ranks_coldest() {
+    let mut m = coldest_setup();
+    let mut summary = HeatSummary::default();
+    // The first ten pages were selected, the rest never: the never-selected ones go first.
+    summary.push(1, (10..20).map(|p| (0, p)).collect(), vec![]);
+    m.apply_results(&[], &[], &summary).unwrap();
+    m.admit(2, 256, &[], None).unwrap();
+    let plan = m.plan_step(&[(2, 256)]).unwrap(); // 16 of 18 free blocks taken, watermark 4: four pages go
+    assert_eq!(plan.released_pages, 4);
+    assert_eq!(released(&m, 1), [10, 11, 12, 13]);
+    // The table updates flag every page the policy may release, and unflag the released ones.
+    let flags: HashMap<u32, bool> =
+        plan.table_updates.iter().filter(|u| u.row == 0).map(|u| (u.page, u.releasable)).collect();
+    assert_eq!((10..14).map(|p| flags[&p]).collect::<Vec<_>>(), [false; 4]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn old_heat_fades_and_the_once_hot_pages_go_first_again() {
+    let mut m = coldest_setup();
+    let mut old = HeatSummary::default();
+    old.push(1, (10..20).map(|p| (0, p)).collect(), (0..10).map(|p| (5, p)).collect());
+    m.apply_results(&[], &[], &old).unwrap();
+    // Later summaries: the first ten decayed to 0 (nobody selected them since), the others are selected now.
+    let mut now = HeatSummary::default();
+    now.push(1, (0..10).map(|p| (0, p)).collect(), (10..20).map(|p| (2, p)).collect());
+    m.apply_results(&[], &[], &now).unwrap();
+    m.admit(2, 256, &[], None).unwrap();
+    m.plan_step(&[(2, 256)]).unwrap();
+    assert_eq!(released(&m, 1), [0, 1, 2, 3]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_refused_report_changed_nothing_and_can_be_sent_again() {
+    let mut m = small();
+    m.admit(1, 16, &[], None).unwrap();
+    m.plan_step(&[(1, 16)]).unwrap();
+    let copies: Vec<u64> = m.plan_step(&[(1, 1)]).unwrap().materialize.iter().map(|c| c.transfer).collect();
+    assert!(copies.len() >= 2);
+    let before = m.page_states(1).unwrap();
+    for (completed, failed) in
+        [(&copies[..1], &[999][..]), (&copies[..1], &copies[..1]), (&copies[..], &[][..])]
+    {
+        let bad_heat = HeatSummary { requests: vec![1, 1], offsets: vec![0, 0, 0], ..HeatSummary::default() };
+        let heat = if failed.is_empty() { bad_heat } else { HeatSummary::default() };
+        assert!(matches!(m.apply_results(completed, failed, &heat), Err(CoreError::InvalidArgument(_))));
+        assert_eq!(m.page_states(1).unwrap(), before);
+        m.check_invariants().unwrap();
+    }
+    m.apply_results(&copies[1..], &copies[..1], &HeatSummary::default()).unwrap();
+    assert_eq!(m.stats().pending_transfers, 0);
     m.check_invariants().unwrap();
 }

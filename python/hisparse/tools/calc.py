@@ -71,11 +71,12 @@ import dataclasses
 import importlib
 import json
 import math
-import sys
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from .argtypes import nonnegative_float, nonnegative_int, positive_int
+from ..errors import ConfigError
+from . import console
+from .argtypes import MAX_GIB, U32_MAX, gib, nonnegative_int, positive_int
 
 GIB = 2**30
 BLOCK_TOKENS = 64
@@ -104,8 +105,8 @@ PAGE_BLOCK_BYTES = {
 }
 
 
-class CalcError(ValueError):
-    """Invalid calculator input (the message says what and why)."""
+class CalcError(ConfigError):
+    """Invalid calculator input (the message says what and why); a ``ValueError`` too."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,19 +397,23 @@ class CalcResult:
 
 
 def _require_int(name: str, value: Any, minimum: int) -> int:
+    """An integer from ``minimum`` to 2**32 - 1: the core counts tokens, rows and blocks in 32 bits."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise CalcError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         what = "positive" if minimum == 1 else f">= {minimum}"
         raise CalcError(f"{name} must be {what}, got {value}")
+    if value > U32_MAX:
+        raise CalcError(f"{name} must be at most {U32_MAX:,}, got {value:,}")
     return value
 
 
 def _require_gib(name: str, value: Any) -> float:
+    """GiB from 0 to 2**30 (1 EiB): beyond it bytes no longer fit a float exactly enough to count blocks."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CalcError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise CalcError(f"{name} must be a finite number >= 0, got {value}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_GIB:
+        raise CalcError(f"{name} must be a number in [0, {MAX_GIB:g}] GiB, got {value}")
     return float(value)
 
 
@@ -466,7 +471,7 @@ def calculate(
         raise CalcError("give hot_rows or mtp, not both (mtp K sizes hot rows as (K + 2) * top_k)")
     if mtp is not None:
         mtp = _require_int("mtp", mtp, 0)
-        hot_rows = (mtp + 2) * preset.top_k
+        hot_rows = _require_int("hot rows of mtp", (mtp + 2) * preset.top_k, 1)
     elif hot_rows is None:
         hot_rows = 2 * preset.top_k
     else:
@@ -609,8 +614,7 @@ def format_table(r: CalcResult) -> str:
         ("Minimum host pool", f"{r.min_host_gib:,} GiB per replica ({r.min_host_gib_total:,} GiB total)"),
         ("Limiter", _LIMITER_TEXT[r.limiter]),
     ]
-    width = max(len(k) for k, _ in rows)
-    lines = [head] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines = [head, console.format_table(rows, indent="  ")]
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -622,7 +626,6 @@ def add_parser(subparsers: Any) -> None:
     """Register ``calc`` on an ``argparse`` subparsers object (``set_defaults(func=main)``)."""
     p = subparsers.add_parser(
         "calc",
-        help="plan concurrency with and without HiSparse",
         description="How many requests of a given length fit with all KV on the GPU (baseline) and with "
                     "HiSparse. The default 'exact' accounting reproduces the vLLM HiSparse calculator page.",
     )
@@ -646,11 +649,11 @@ def add_parser(subparsers: Any) -> None:
                    help="hot groups per request (default: the model's, 20 for glm-5.3)")
     p.add_argument("--retained-pages", type=nonnegative_int, default=DEFAULT_RETAINED_PAGES,
                    help=f"tail pages each group keeps on the GPU (default {DEFAULT_RETAINED_PAGES})")
-    p.add_argument("--host-gib", type=nonnegative_float, default=None,
+    p.add_argument("--host-gib", type=gib, default=None,
                    help="host pool per replica (default: the minimum, within [16, 4096])")
     p.add_argument("--max-seqs", type=positive_int, default=DEFAULT_MAX_SEQS,
                    help=f"scheduler cap on running requests per replica (default {DEFAULT_MAX_SEQS})")
-    p.add_argument("--kv-hbm-gib", type=nonnegative_float, default=None,
+    p.add_argument("--kv-hbm-gib", type=gib, default=None,
                    help="KV HBM per GPU, instead of budget - weights - 15 GiB")
     p.add_argument("--mla-row-bytes", type=positive_int, default=None,
                    help="sparse-MLA row bytes per layer and token (default: the model's; 656 is vLLM fp8_ds_mla)")
@@ -661,25 +664,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        result = calculate(
-            model=args.model, gpu=args.gpu, tp=args.tp, dp=args.dp, ep=args.ep,
-            kv_dtype=args.kv_dtype, seq_len=args.seq, hot_rows=args.hot_rows, mtp=args.mtp,
-            groups=args.groups, retained_pages=args.retained_pages, max_seqs=args.max_seqs,
-            host_gib=args.host_gib, kv_hbm_gib=args.kv_hbm_gib, accounting=args.accounting,
-            mla_row_bytes=args.mla_row_bytes,
-        )
-    except CalcError as exc:
-        print(f"hisparse calc: error: {exc}", file=sys.stderr)
-        return 2
+    """``hisparse calc``; a :class:`CalcError` reaches the command line, which prints it on one line."""
+    result = calculate(
+        model=args.model, gpu=args.gpu, tp=args.tp, dp=args.dp, ep=args.ep,
+        kv_dtype=args.kv_dtype, seq_len=args.seq, hot_rows=args.hot_rows, mtp=args.mtp,
+        groups=args.groups, retained_pages=args.retained_pages, max_seqs=args.max_seqs,
+        host_gib=args.host_gib, kv_hbm_gib=args.kv_hbm_gib, accounting=args.accounting,
+        mla_row_bytes=args.mla_row_bytes,
+    )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(format_table(result))
     return 0
-
-
-if __name__ == "__main__":  # python -m hisparse.calc ...: the same as hisparse calc ...
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["calc", *sys.argv[1:]]))

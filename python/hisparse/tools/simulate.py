@@ -19,7 +19,7 @@ Modes
 
 Memory model (GLM-5.3 FP8 on 8xH200, TP8; every rank holds the same replicated MLA KV, so one GPU is
 simulated)
-  * KV HBM per GPU from :func:`hisparse.calc.calculate` (17.8 GiB), one pool of 64-token blocks.
+  * KV HBM per GPU from :func:`hisparse.tools.calc.calculate` (17.8 GiB), one pool of 64-token blocks.
   * A core block is one page of every layer *with its indexer keys*: 64 x (78 x 656 + 21 x 132) =
     3,452,160 B (``calc.block_bytes(...)["baseline"]``, vLLM's 53,940 B/token). A resident page therefore
     pays for its own indexer keys exactly.
@@ -48,7 +48,7 @@ request admitted in the same step and never run is simply put back, not counted 
 plan fits. MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the
 probability that gives the measured mean accept length 3.48; the KV grows by the tokens emitted.
 
-Traffic and time (constants and sources in :mod:`hisparse.sim_constants`)
+Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
   * Step = one decode step (26.2 ms: TPOT x accept length of GLM-5-FP8 MTP on 8xH200) + prefill FLOPs /
     (8 x 1,979 TFLOPS x 24.4% MFU) + host->GPU bytes the forward waits for / 55 GB/s.
   * Top-K locality: the LRU stack-distance profile of the selection stream is the published one (miss rate
@@ -89,11 +89,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import calc
+from .._core import ResidencyManager
+from ..errors import CapacityError, ConfigError
+from . import calc, console
 from . import sim_constants as K
-from ._core import ResidencyManager
-from .argtypes import positive_float, positive_int, positive_int_list
-from .errors import CapacityError
+from .argtypes import U32_MAX, int_range, plot_path, positive_float, positive_gib, positive_int, positive_int_list, seed
 
 GIB = 2**30
 MODES = ("offload", "hisparse")
@@ -126,7 +126,7 @@ class SimConfig:
     # deployment
     gpu: str = K.GPU
     tp: int = K.TP
-    kv_hbm_gib: float | None = None  # None: hisparse.calc's KV HBM per GPU
+    kv_hbm_gib: float | None = None  # None: hisparse calc's KV HBM per GPU
     num_gpu_blocks: int | None = None  # overrides kv_hbm_gib
     host_gib: float | None = None  # None: 512 (offload) / 384 (hisparse)
     num_host_blocks: int | None = None  # overrides host_gib
@@ -154,21 +154,23 @@ class SimConfig:
         return "resident" if self.mode == "offload" else self.policy
 
     def validate(self) -> None:
+        """Raises :class:`hisparse.ConfigError` (a ``ValueError``) for a configuration that cannot run."""
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "hisparse" and self.policy not in TIER_POLICIES:
-            raise ValueError(f"hisparse mode needs policy coldest or fifo, got {self.policy!r}")
+            raise ConfigError(f"hisparse mode needs policy coldest or fifo, got {self.policy!r}")
         for name in ("concurrency", "turns", "first_turn_tokens", "output_tokens", "max_batched_tokens",
                      "max_num_seqs", "top_k", "block_tokens", "tail_pages"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.duration_s <= 0:
-            raise ValueError("duration_s must be positive")
+                raise ConfigError(f"{name} must be positive")
+        if not self.duration_s > 0:  # also NaN
+            raise ConfigError("duration_s must be positive")
         if self.max_prompt() + self.output_tokens > self.max_model_len:
-            raise ValueError(f"the last turn ({self.max_prompt() + self.output_tokens} tokens) exceeds "
-                             f"max_model_len {self.max_model_len}")
+            raise ConfigError(f"the last turn ({self.max_prompt() + self.output_tokens} tokens) exceeds "
+                              f"max_model_len {self.max_model_len}")
         if self.speculative_tokens < 0 or not 1.0 <= self.accept_length <= self.speculative_tokens + 1:
-            raise ValueError("accept_length must lie in [1, speculative_tokens + 1]")
+            raise ConfigError(f"accept_length must lie in [1, speculative_tokens + 1 = {self.speculative_tokens + 1}], "
+                              f"got {self.accept_length}")
 
     def prompt(self, turn: int) -> int:
         """Prompt of turn ``turn`` (0-based): the conversation so far plus the new user tokens."""
@@ -250,6 +252,8 @@ def derive(cfg: SimConfig) -> Derived:
         if kv_gib is None:
             kv_gib = calc.calculate(model=K.MODEL, gpu=cfg.gpu, tp=cfg.tp, kv_dtype=K.KV_DTYPE).kv_hbm_gib
         gpu_blocks = int(kv_gib * GIB // gpu_block)
+        if gpu_blocks > U32_MAX:
+            raise ConfigError(f"{kv_gib:g} GiB of KV HBM is {gpu_blocks:,} blocks; the core counts at most {U32_MAX:,}")
     host_page = gpu_block if cfg.mode == "offload" else mla_page
     if cfg.num_host_blocks is not None:
         host_gib, host_blocks = None, cfg.num_host_blocks
@@ -271,7 +275,7 @@ def derive(cfg: SimConfig) -> Derived:
         else:
             hot_rows = cfg.hot_rows if cfg.hot_rows is not None else (q + K.HOT_ROWS_MTP_EXTRA) * cfg.top_k
         if not cfg.top_k <= hot_rows <= limit:
-            raise ValueError(f"hot rows must lie in [top_k, {limit}], got {hot_rows}")
+            raise ConfigError(f"hot rows must lie in [top_k = {cfg.top_k}, {limit}], got {hot_rows}")
         hot_blocks = _core_hot_blocks(cfg, hot_rows, gpu_block, charge)
         core_hot_rows = hot_blocks * bt
     watermark = max(hot_blocks, gpu_blocks // 10)
@@ -304,11 +308,13 @@ def adaptive_hot_rows(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, cha
 
 
 class _Req:
-    __slots__ = ("rid", "conv", "turn", "user", "prompt", "out", "arrival", "computed", "generated", "target",
-                 "in_prefill", "ready_t", "first_t", "last_t", "ran", "preempted", "hashes")
+    """A request as the scheduler sees it. Its page hashes are made when it is admitted, not here: every waiting
+    request would otherwise hold a list of ~1,200 of them (44 KB), 17 GB at a million conversations."""
 
-    def __init__(self, rid: int, conv: int, turn: int, user: int, prompt: int, out: int, arrival: float,
-                 hashes: list[int]):
+    __slots__ = ("rid", "conv", "turn", "user", "prompt", "out", "arrival", "computed", "generated", "target",
+                 "in_prefill", "ready_t", "first_t", "last_t", "ran", "preempted")
+
+    def __init__(self, rid: int, conv: int, turn: int, user: int, prompt: int, out: int, arrival: float):
         self.rid = rid
         self.conv = conv
         self.turn = turn
@@ -325,7 +331,6 @@ class _Req:
         self.last_t = 0.0
         self.ran = False
         self.preempted = False
-        self.hashes = hashes
 
 
 class Simulation:
@@ -363,8 +368,7 @@ class Simulation:
         rid = self.next_rid
         self.next_rid += 1
         self.arrived += 1
-        return _Req(rid, conv, turn, user, prompt, self.cfg.output_tokens, now,
-                    self._hashes(conv, prompt + self.cfg.output_tokens))
+        return _Req(rid, conv, turn, user, prompt, self.cfg.output_tokens, now)
 
     def _accepted(self) -> int:
         q = self.cfg.speculative_tokens
@@ -470,7 +474,7 @@ class Simulation:
                     if r.preempted:
                         a = m.resume(r.rid)
                     else:
-                        a = m.admit(r.rid, r.prompt, r.hashes, r.prompt + r.out)
+                        a = m.admit(r.rid, r.prompt, self._hashes(r.conv, r.prompt + r.out), r.prompt + r.out)
                 except CapacityError:
                     break
                 waiting.popleft()
@@ -512,8 +516,8 @@ class Simulation:
                     continue
                 stalls += 1
                 gated = False
-                if stalls > 3:
-                    raise RuntimeError(
+                if stalls > 3:  # the node cannot back one more step of anyone: a configuration too small
+                    raise CapacityError(
                         f"simulation stalled at t={now:.2f}s: {len(running)} running, {len(waiting)} waiting; "
                         f"{m.capacity_log()}")
                 continue
@@ -698,32 +702,18 @@ def _chain_probability(mean_len: float, q: int) -> float:
 
 def run_points(configs: Sequence[SimConfig], progress: bool = False) -> list[dict[str, Any]]:
     points = []
-    t0 = time.monotonic()
+    bar = console.Progress(progress)
+    bar.start("simulate")
+    n = len(configs)
     for i, cfg in enumerate(configs):
-        label = f"{cfg.mode}/{cfg.core_policy} c={cfg.concurrency}"
-        bar = _ProgressBar(i, len(configs), label, t0) if progress else None
-        points.append(Simulation(cfg, progress=bar).run())
-        if bar is not None:
-            bar.close()
+        label = f"{i + 1}/{n} {cfg.mode}/{cfg.core_policy} c={cfg.concurrency}"
+
+        def tick(fraction: float, i: int = i, label: str = label) -> None:
+            bar.update((i + fraction) / n, f"{label:<28} {fraction:4.0%}")
+
+        points.append(Simulation(cfg, progress=tick if progress else None).run())
+    bar.close()
     return points
-
-
-class _ProgressBar:
-    def __init__(self, index: int, total: int, label: str, t0: float, width: int = 30):
-        self.index, self.total, self.label, self.width = index, total, label, width
-        self.t0 = t0
-
-    def __call__(self, fraction: float) -> None:
-        done = (self.index + fraction) / self.total
-        filled = int(round(done * self.width))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.index + 1}/{self.total} "
-                         f"{self.label:<24} {fraction:4.0%}  {time.monotonic() - self.t0:5.1f}s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.index + 1 == self.total:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def build_configs(args: argparse.Namespace) -> list[SimConfig]:
@@ -783,7 +773,7 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
         lines.append(f"  {mode}: {gib} = {det['host_blocks']:,} host blocks{hot}")
     head = ("mode", "policy", "c", "running", "max", "mixed", "out tok/s", "TTFT p50 s", "ITL p50 ms",
             "preempt", "H2D GB", "hit rate", "turns")
-    rows = [head]
+    rows = []
     for p in result["points"]:
         rows.append((
             p["mode"], p["policy"], str(p["concurrency"]), f"{p['mean_running']:.1f}", str(p["max_running"]),
@@ -793,12 +783,7 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
             str(p["preemptions"]), f"{p['h2d_gb']:.0f}",
             "-" if p["hit_rate"] is None else f"{p['hit_rate']:.1%}", str(p["requests_finished"]),
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for i, r in enumerate(rows):
-        lines.append("  ".join(v.rjust(w) if j >= 2 else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths,
-                                                                                                  strict=True))))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines.append(console.format_table(rows, head=head, align="ll" + "r" * (len(head) - 2), rule=True))
     lines.append("running = mean of non-zero samples of running requests (the blog's metric); mixed = of them "
                  "in mixed/none residency; published at c=32: offload 5-6, hisparse 19-25")
     if wall_s is not None:
@@ -837,10 +822,7 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``simulate`` on an ``argparse`` subparsers object (``set_defaults(func=main)``)."""
-    p = subparsers.add_parser(
-        "simulate", help="serving simulation of one node through the real residency core",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subparsers.add_parser("simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--policy", choices=(*TIER_POLICIES, "both"), default="both",
                    help="hisparse pressure policy (offload always runs the core's 'resident')")
@@ -849,20 +831,21 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--duration", type=positive_float, default=1800.0,
                    help="simulated seconds per point (default 1800)")
     p.add_argument("--steps", type=positive_int, default=None, help="stop a point after this many steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     hot = p.add_mutually_exclusive_group()
     hot.add_argument("--hot-rows", type=positive_int, default=None,
                      help="hot rows per request (default (MTP + 2) x top_k = 10,240)")
     hot.add_argument("--adaptive-hot-rows", action="store_true",
                      help="the largest hot buffer that lets every request of the concurrency run at steady state")
-    p.add_argument("--kv-hbm-gib", type=positive_float, default=None,
+    p.add_argument("--kv-hbm-gib", type=positive_gib, default=None,
                    help="KV HBM per GPU (default: hisparse calc's, 17.8 GiB; FACTS.md quotes ~26 GiB measured)")
-    p.add_argument("--mtp", type=int, choices=range(0, 8), default=K.SPECULATIVE_TOKENS, metavar="Q",
+    p.add_argument("--mtp", type=int_range(0, 7), default=K.SPECULATIVE_TOKENS, metavar="Q",
                    help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
     p.add_argument("--accept-length", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
                    help="mean tokens per decode step with MTP (default 3.48, measured)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--plot", metavar="PNG", default=None, help="draw running requests over time per mode")
+    p.add_argument("--plot", metavar="PNG", type=plot_path, default=None,
+                   help="draw running requests over time per mode (.png, .pdf or .svg; the folder must exist)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on stderr (it is shown when stderr is a terminal)")
     p.set_defaults(func=main)
@@ -887,14 +870,49 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Bytes per item of what a run keeps in Python and in the core, for the memory check before a run (CPython
+# 3.11, 64-bit; rounded up from sys.getsizeof and from the core's resident size per block, 57 B).
+REQUEST_BYTES = 400  # a request object waiting in the queue, its floats and its queue slot
+SAMPLE_BYTES = 48  # one step of the running-requests series (a float, an int, two list slots), kept per point
+LATENCY_BYTES = 32  # one TTFT or inter-token-latency sample (a float and a list slot)
+CORE_BLOCK_BYTES = 64  # the core's bookkeeping of one GPU or host block
+CORE_PAGE_BYTES = 16  # one page-table entry of one running request in the core
+
+
+def estimate_memory(configs: Sequence[SimConfig]) -> tuple[float, str]:
+    """Bytes a run of ``configs`` needs at its peak, an upper bound on the parts that grow with the flags, and
+    what they are. Points run one after another; each keeps its series of running requests for the plot.
+
+    A point takes at most ``duration / decode_step`` steps (every step lasts at least one decode step); each
+    step records at most one latency sample per running request, and at most ``max_num_seqs`` run."""
+    kept = peak = 0.0
+    worst = ""
+    for cfg in configs:
+        d = derive(cfg)
+        steps = cfg.duration_s / cfg.decode_step_s + 1  # a float: inf for a duration near the largest float
+        if cfg.max_steps is not None:
+            steps = min(steps, cfg.max_steps)
+        running = min(cfg.concurrency, cfg.max_num_seqs)
+        max_pages = -(-cfg.max_model_len // cfg.block_tokens)
+        transient = (cfg.concurrency * REQUEST_BYTES + steps * running * LATENCY_BYTES
+                     + (d.num_gpu_blocks + d.num_host_blocks) * CORE_BLOCK_BYTES
+                     + running * max_pages * CORE_PAGE_BYTES)
+        kept += steps * SAMPLE_BYTES
+        if transient > peak:
+            peak = transient
+            worst = (f"concurrency {cfg.concurrency:,}, up to {steps:,.0f} steps of {running} running requests, "
+                     f"{d.num_gpu_blocks + d.num_host_blocks:,} blocks")
+    return kept + peak, f"{worst}; {len(configs)} points"
+
+
 def main(args: argparse.Namespace) -> int:
-    try:
-        configs = build_configs(args)
-        for cfg in configs:
-            Simulation(cfg)  # sizes and the core's own configuration checks
-    except ValueError as exc:  # hisparse.ConfigError is a ValueError too
-        print(f"hisparse simulate: error: {exc}", file=sys.stderr)
-        return 2
+    """``hisparse simulate``. The memory check and every point's configuration (sizes and the core's own checks)
+    come before the first point runs, so a bad flag fails at once; errors reach the command line as one line."""
+    configs = build_configs(args)
+    need, what = estimate_memory(configs)
+    console.require_memory(need, what, "lower --concurrency, --duration or --steps")
+    for cfg in configs:
+        Simulation(cfg)
     t0 = time.monotonic()
     show = args.progress and sys.stderr.isatty()
     result = simulate(configs, progress=show)
@@ -909,8 +927,3 @@ def main(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
     return 0
 
-
-if __name__ == "__main__":  # python -m hisparse.simulate ...: the same as hisparse simulate ...
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["simulate", *sys.argv[1:]]))

@@ -9,7 +9,7 @@ Sources (short names used in the comments):
 
 * [blog]     vLLM blog, "Hybrid HiSparse", GLM-5.3 part 1 (workload, deployment, host pools, MTP hot buffers
              ``(k + 2) * top_k``); summarised in /work/shared/FACTS.md.
-* [calc]     the public vLLM HiSparse concurrency calculator, reproduced by :mod:`hisparse.calc` (KV HBM per
+* [calc]     the public vLLM HiSparse concurrency calculator, reproduced by :mod:`hisparse.tools.calc` (KV HBM per
              GPU: 0.92 * 141 GB - weights - 15 GiB = 17.8 GiB for GLM-5.3 FP8 on 8xH200 TP8).
 * [facts]    /work/shared/FACTS.md: vLLM ``fp8_ds_mla`` row 656 B (FlashMLA README), indexer row 132 B, GLM-5.3
              has 78 sparse-MLA layers and 21 indexers (IndexShare), top_k 2048; H200 host link ~55 GB/s pinned
@@ -20,7 +20,7 @@ Sources (short names used in the comments):
              TPOT 7.54 ms (mean), accept length 3.48; quoted in
              https://gist.github.com/BenHamm/dcd09f595fef141567a39582f502cef4 (8xB200 vs 8xH200 report).
 * [lambda]   https://lambda.ai/inference-models/zai-org/glm-5: GLM-5 is 744B parameters, 40B active per token
-             (GLM-5.3 keeps the GLM-5 shapes; hisparse.calc's glm-5.3 preset uses the same architecture).
+             (GLM-5.3 keeps the GLM-5 shapes; hisparse calc's glm-5.3 preset uses the same architecture).
 * [lmsys]    LMSYS blog 2025-05-05 "Deploying DeepSeek with PD Disaggregation and Large-scale Expert
              Parallelism on 96 H100 GPUs": 52.3k input tokens/s per 8-GPU node, 2000-token inputs,
              DeepSeek-V3 (37B active).
@@ -58,7 +58,7 @@ MLA_ROW_BYTES = 656  # vLLM fp8_ds_mla: 512 fp8 latent + 16 B scales + 64 bf16 r
 INDEXER_ROW_BYTES = 132  # 128 fp8 + one fp32 scale
 TOP_K = 2048
 INDEX_GROUPS = 21  # one top-K per indexer (IndexShare); the core keeps one hot region for all of them
-MLA_HEADS = 64  # GLM-5 attention heads (hisparse.calc's architecture)
+MLA_HEADS = 64  # GLM-5 attention heads (hisparse calc's architecture)
 MLA_QK_DIM = 576  # absorbed sparse MLA: 512 latent + 64 rope per key
 MLA_V_DIM = 512
 INDEXER_HEADS = 32

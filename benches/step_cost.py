@@ -1,0 +1,254 @@
+"""The step an engine pays, measured the way an engine drives hisparse: ``SchedulerHooks`` + ``WorkerHooks`` +
+``DataPath`` on CPU tensors, per running request per step, p50 and p90 over every step of a decode window
+(allocating steps included), and the core alone (the two ``ResidencyManager`` calls inside the hooks).
+
+The workload, for N requests of about C tokens (block 64, top-K 2048, 4096 hot rows, one 16-byte layer):
+
+* staggered lengths: request i holds ``C * (0.75 + 0.25 * i / N)`` tokens, so pages fill on different steps;
+* a GPU pool at 30% of what full residency needs, or what every request's tail and hot region need when that
+  is more (at 16K a 64-block hot region is a quarter of a request), a host pool that holds everything: most
+  requests decode in mixed residency, pages are released and reused every step;
+* every step each request decodes one token and the indexer stand-in selects 2048 positions: the first 64
+  tokens (sinks), the last 512 (recent window), and 1472 drawn from older pages by a log-uniform rank
+  (Zipf with exponent 1) scattered over the request's pages by a per-request stride; the real resolver
+  (the Rust reference of ``resolve``) runs on them, so heat, hits and misses are real;
+* the worker's copies are reported one step late;
+* heat summaries every 32 steps (``WorkerHooks`` defaults: 128 coldest and 32 hottest pages per request).
+
+Setup (prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
+(scheduler); ``apply``, ``slot_mapping`` (where the step writes its KV: an engine needs it every step) and
+``end_step`` (worker); not the resolver, which is the GPU kernel's work (it runs between them, as the forward
+does, and leaves the caches as cold as a forward would). Wall time (``time.perf_counter``): a thread's CPU
+clock costs ~5 us per reading on this VM, more than what it would measure. The garbage collector is frozen
+after setup, as serving engines do after start-up (else a collection of torch's objects lands on a random
+step). p50 and p90 are over every timed step; the mean includes the heat summary steps (one in 32), whose
+cost on CPU is the reference's scan of the heat table (on a GPU, one kernel). Prints one JSON line:
+``sched_us_per_req_<N>x<C>`` (p50), ``..._p90_...``, ``..._mean_...``, ``worker_us_per_req_...``,
+``core_us_per_req_...``, ``plan_bytes_...`` (the pickled WorkerStep), and the workload's counters.
+
+    python benches/step_cost.py                  # N in {32, 128, 256} x C in {16K, 128K, 1M}
+    python benches/step_cost.py --quick          # one small configuration (a smoke test)
+    python benches/step_cost.py --configs 32x16k,256x1m --steps 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import pickle
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from hisparse import DataPath, Layout, ResidencyManager
+from hisparse.hooks import SchedulerHooks, WorkerHooks
+
+BLOCK, TOP_K, HOT_ROWS, ROW_BYTES = 64, 2048, 4096, 16
+SINKS, RECENT = 64, 512
+clock = time.perf_counter
+CHUNK = 1 << 20  # prefill tokens per setup step, over all requests
+
+
+class Timed:
+    """The manager behind the hooks, with its two per-step calls timed (the core alone)."""
+
+    def __init__(self, manager: ResidencyManager):
+        self._m = manager
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def __contains__(self, item):
+        return item in self._m
+
+    def plan_step(self, scheduled):
+        t = clock()
+        try:
+            return self._m.plan_step(scheduled)
+        finally:
+            self.seconds += clock() - t
+
+    def apply_results(self, completed=None, failed=None, heat=None):
+        t = clock()
+        try:
+            return self._m.apply_results(completed, failed, heat)
+        finally:
+            self.seconds += clock() - t
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    n, ctx = text.lower().split("x")
+    scale = {"k": 1 << 10, "m": 1 << 20}
+    return int(n), int(ctx[:-1]) * scale[ctx[-1]] if ctx[-1] in scale else int(ctx)
+
+
+def selections(lens: torch.Tensor, strides: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """[N, TOP_K] int32 positions of the locality model (see the module docstring)."""
+    n = lens.shape[0]
+    sinks = torch.arange(SINKS).expand(n, -1)
+    recent = (lens[:, None] - RECENT + torch.arange(RECENT)[None, :]).clamp(min=0)
+    old_pages = ((lens - RECENT).clamp(min=BLOCK) // BLOCK)[:, None]
+    u = torch.rand(n, TOP_K - SINKS - RECENT, generator=gen, dtype=torch.float64)
+    rank = (old_pages.to(torch.float64) ** u).floor().to(torch.int64) - 1
+    page = (rank * strides[:, None]) % old_pages
+    offset = torch.randint(0, BLOCK, rank.shape, generator=gen)
+    old = page * BLOCK + offset
+    return torch.cat([sinks, recent, old], dim=1).to(torch.int32)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lens0 = [int(ctx * (0.75 + 0.25 * i / max(1, n - 1))) // 1 for i in range(n)]
+    max_len = max(lens0) + steps + BLOCK
+    max_pages = math.ceil(max_len / BLOCK)
+    hot_blocks = HOT_ROWS // BLOCK
+    full = sum(math.ceil(length / BLOCK) for length in lens0)
+    gpu_blocks = max(int(0.3 * full), n * (hot_blocks + 4)) + 2 * hot_blocks
+    host_blocks = n * max_pages + 64
+    layout = Layout(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK, max_model_len=max_len,
+                    max_running=n, hot_rows=HOT_ROWS, row_bytes=ROW_BYTES, layer_groups=(0,))
+    manager = ResidencyManager(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK,
+                               max_model_len=max_len, max_running=n, top_k=TOP_K, hot_rows=HOT_ROWS,
+                               page_bytes=layout.page_bytes, materialize_budget=1 << 20)
+    timed = Timed(manager)
+    sched = SchedulerHooks(manager)
+    sched.manager = timed
+    worker = WorkerHooks(DataPath(layout))
+    names = [f"req-{i}" for i in range(n)]
+    for name, length in zip(names, lens0, strict=True):
+        sched.admit(name, length, max_len=max_len)
+
+    late: tuple[int, ...] = ()
+
+    def one_step(scheduled, timing: dict | None) -> bool:
+        """plan -> apply -> (resolve) -> end_step -> apply_results, copies reported a step late. False: the
+        plan was short (only while setting up; a timed step must fit)."""
+        nonlocal late
+        t0 = clock()
+        core0 = timed.seconds
+        step = sched.plan_step(scheduled)
+        t1 = clock()
+        if not step.ok:
+            if timing is None:
+                return False
+            raise RuntimeError(f"the benchmark's pool is too small: {step.missing_blocks} blocks missing")
+        worker.apply(step)
+        worker.slot_mapping()
+        t2 = clock()
+        resolved = 0.0
+        if timing is not None:
+            lens = torch.tensor([s for _, _, s, _ in step.plan.scheduled], dtype=torch.int64) + 1
+            topk = selections(lens, strides, gen)
+            rows = torch.tensor(step.plan.rows, dtype=torch.int32)
+            r0 = clock()
+            worker.resolve(topk, rows)
+            resolved = clock() - r0
+        t3 = clock()
+        results = worker.end_step()
+        t4 = clock()
+        due, late = late, results.completed  # the engine hands the copies over a step late: not timed
+        results = replace(results, completed=due)
+        t5 = clock()
+        sched.apply_results(results)
+        t6 = clock()
+        if timing is not None:
+            timing["sched"].append((t1 - t0) + (t6 - t5))
+            timing["worker"].append((t2 - t1) + (t4 - t3))
+            timing["core"].append(timed.seconds - core0)
+            timing["resolve"].append(resolved)
+            timing["plan_bytes"].append(len(pickle.dumps(step)))
+            timing["allocating"].append(any(u[2] != 0 for u in step.plan.table_updates))
+            timing["heat"].append(results.heat is not None)
+        return True
+
+    # Setup, not timed: prefill in chunks under pressure, until every request holds its prompt. A chunk the
+    # pool cannot back is halved; a step without tokens lets the copies (and so the releases) catch up.
+    left = dict(zip(names, lens0, strict=True))
+    flush = [(name, 0) for name in names]
+    t_setup = clock()
+    chunk = CHUNK
+    while any(left.values()):
+        budget, scheduled = chunk, []
+        for name in names:
+            take = min(left[name], budget)
+            if take:
+                scheduled.append((name, take))
+                budget -= take
+        if one_step(scheduled, None):
+            for name, take in scheduled:
+                left[name] -= take
+        else:
+            chunk = max(BLOCK, chunk // 2)
+            one_step(flush, None)
+    one_step(flush, None)  # the last chunk's pages are copied
+    setup_s = clock() - t_setup
+    strides = torch.randint(1, 1 << 16, (n,), generator=gen) * 2 + 1
+
+    timing: dict[str, list] = {k: [] for k in ("sched", "worker", "core", "resolve", "plan_bytes", "allocating",
+                                               "heat")}
+    gc.collect()
+    gc.freeze()
+    for _ in range(steps):
+        one_step([(name, 1) for name in names], timing)
+    gc.unfreeze()
+    metrics = sched.metrics()
+    stats = manager.stats()
+    us = {k: [v * 1e6 / n for v in timing[k]] for k in ("sched", "worker", "core")}
+    return {
+        **{f"{side}_{stat}": f(us[side]) for side in ("sched", "worker", "core") for stat, f in (
+            ("p50", statistics.median), ("p90", lambda v: percentile(v, 0.9)), ("mean", statistics.fmean),
+            ("max", max))},
+        "pool_fraction": gpu_blocks / full,
+        "plan_bytes": int(statistics.median(timing["plan_bytes"])),
+        "allocating_steps": sum(timing["allocating"]) / steps,
+        "heat_steps": sum(timing["heat"]),
+        "resolve_ms_per_step": statistics.median(timing["resolve"]) * 1e3,
+        "mixed": stats["mixed"] + stats["none"],
+        "released_pages": metrics["released_pages"],
+        "lost_pages": metrics["lost_pages"],
+        "hit_rate": metrics["hit_rate"],
+        "setup_s": setup_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="32x16k,32x128k,32x1m,128x16k,128x128k,128x1m,256x16k,256x128k,256x1m")
+    p.add_argument("--steps", type=int, default=128, help="timed decode steps per configuration")
+    p.add_argument("--quick", action="store_true", help="one small configuration, a few steps")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: no pool contention)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configs = ["8x16k"] if args.quick else args.configs.split(",")
+    steps = 40 if args.quick else args.steps
+    out: dict = {"steps": steps, "block_size": BLOCK, "top_k": TOP_K, "hot_rows": HOT_ROWS}
+    for text in configs:
+        n, ctx = parse_config(text)
+        key = text.lower()
+        r = run(n, ctx, steps)
+        out[f"sched_us_per_req_{key}"] = round(r["sched_p50"], 3)
+        out[f"sched_us_per_req_p90_{key}"] = round(r["sched_p90"], 3)
+        out[f"worker_us_per_req_{key}"] = round(r["worker_p50"], 3)
+        out[f"worker_us_per_req_p90_{key}"] = round(r["worker_p90"], 3)
+        out[f"core_us_per_req_{key}"] = round(r["core_p50"], 3)
+        out[f"core_us_per_req_p90_{key}"] = round(r["core_p90"], 3)
+        for side in ("sched", "worker", "core"):
+            out[f"{side}_us_per_req_mean_{key}"] = round(r[f"{side}_mean"], 3)
+        out[f"plan_bytes_{key}"] = r["plan_bytes"]
+        out[f"detail_{key}"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,389 @@
+//! `apply` of `cuda/SPEC.md`: what a worker does with a [`StepPlan`] before the forward, on its state
+//! tensors, its slab and its host pool. The CPU reference of the device path, and the CPU path itself.
+//!
+//! Every entry is checked against the tensors' sizes before anything is written, so a plan from a
+//! manager configured larger than the worker's layout, or a corrupted one, is refused whole.
+
+use std::collections::HashSet;
+
+use crate::error::{invalid, Result};
+use crate::plan::StepPlan;
+use crate::reference::{copy_units, Direction, LayerSlabs};
+
+/// The worker's state tensors for `S` rows, `P` pages, `HB` hot blocks, `G` groups and `H` hot rows,
+/// as flat row-major slices. `row_request` holds each row's request id (its bits; meaningful while the
+/// row's `seq_lens` entry is positive: both are set together).
+pub struct WorkerState<'a> {
+    pub seq_lens: &'a mut [i32],
+    pub block_table: &'a mut [i32],
+    pub host_table: &'a mut [i32],
+    pub releasable: &'a mut [u8],
+    pub row_request: &'a mut [i64],
+    pub hot_blocks: &'a mut [i32],
+    pub hot_pos: &'a mut [i32],
+    pub hot_lru: &'a mut [i32],
+    pub heat: &'a mut [i32],
+    pub status: &'a mut [i32],
+}
+
+/// Sizes the state does not carry in its lengths.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkerGeometry {
+    pub pages: usize,
+    pub block_size: usize,
+    pub groups: usize,
+    pub hot_rows: usize,
+    pub row_bytes: usize,
+}
+
+impl WorkerState<'_> {
+    fn rows(&self, geo: &WorkerGeometry) -> Result<usize> {
+        let s = self.seq_lens.len();
+        let (p, gh) = (geo.pages, geo.groups * geo.hot_rows);
+        let hb = geo.hot_rows.div_ceil(geo.block_size.max(1));
+        let lens = [
+            ("block_table", self.block_table.len(), s * p),
+            ("host_table", self.host_table.len(), s * p),
+            ("releasable", self.releasable.len(), s * p),
+            ("heat", self.heat.len(), s * p),
+            ("row_request", self.row_request.len(), s),
+            ("status", self.status.len(), s),
+            ("hot_blocks", self.hot_blocks.len(), s * hb),
+            ("hot_pos", self.hot_pos.len(), s * gh),
+            ("hot_lru", self.hot_lru.len(), s * gh),
+        ];
+        if let Some((name, got, want)) = lens.iter().find(|(_, got, want)| got != want) {
+            return invalid(format!("{name} has {got} elements, expected {want}"));
+        }
+        if geo.block_size == 0 || geo.hot_rows == 0 || geo.groups == 0 {
+            return invalid("block_size, hot_rows and groups must be positive");
+        }
+        Ok(s)
+    }
+
+    fn reset_hot(&mut self, row: usize, geo: &WorkerGeometry, blocks: &[u32]) {
+        let hb = self.hot_blocks.len() / self.seq_lens.len();
+        let slots = &mut self.hot_blocks[row * hb..(row + 1) * hb];
+        slots.fill(0);
+        slots.iter_mut().zip(blocks).for_each(|(s, &b)| *s = b as i32);
+        let gh = geo.groups * geo.hot_rows;
+        self.hot_pos[row * gh..(row + 1) * gh].fill(-1);
+        for (i, slot) in self.hot_lru[row * gh..(row + 1) * gh].iter_mut().enumerate() {
+            *slot = (i % geo.hot_rows) as i32;
+        }
+    }
+}
+
+/// Refuses a plan that would index outside the state, the slab (`gpu_blocks`) or the host pool
+/// (`host_blocks`), or whose copies write one destination twice.
+pub fn check_plan(
+    plan: &StepPlan,
+    s: usize,
+    geo: &WorkerGeometry,
+    gpu_blocks: usize,
+    host_blocks: usize,
+) -> Result<()> {
+    let hb = geo.hot_rows.div_ceil(geo.block_size);
+    let within = |what: &str, v: i64, low: i64, end: usize| -> Result<()> {
+        if v < low || v >= end as i64 {
+            return invalid(format!(
+                "the plan's {what} {v} is outside {low}..{} of this worker's layout (is the manager configured \
+                 larger than the Layout?)",
+                end as i64 - 1
+            ));
+        }
+        Ok(())
+    };
+    if plan.is_short() {
+        return invalid(format!("a short plan ({} blocks missing) must not be applied", plan.missing_blocks));
+    }
+    for &row in &plan.cleared_rows {
+        within("cleared row", row as i64, 0, s)?;
+    }
+    for l in &plan.seq_lens {
+        within("state row", l.row as i64, 0, s)?;
+        within("seq_len", l.len as i64, 0, geo.pages * geo.block_size + 1)?;
+    }
+    for u in &plan.table_updates {
+        within("state row", u.row as i64, 0, s)?;
+        within("page", u.page as i64, 0, geo.pages)?;
+        within("GPU block", u.gpu_block as i64, 0, gpu_blocks)?;
+        within("host block", u.host_block as i64, -1, host_blocks)?;
+    }
+    for h in &plan.hot_updates {
+        within("state row", h.row as i64, 0, s)?;
+        if !h.blocks.is_empty() && h.blocks.len() != hb {
+            return invalid(format!(
+                "the plan gives row {} {} hot blocks; this layout has {hb}",
+                h.row,
+                h.blocks.len()
+            ));
+        }
+        for &b in &h.blocks {
+            within("hot GPU block", b as i64, 1, gpu_blocks)?;
+        }
+    }
+    for sch in &plan.scheduled {
+        within("scheduled row", sch.row as i64, 0, s)?;
+    }
+    let mut restored = HashSet::with_capacity(plan.restores.len());
+    for c in &plan.restores {
+        within("restored GPU block", c.gpu_block as i64, 1, gpu_blocks)?;
+        within("restored host block", c.host_block as i64, 0, host_blocks)?;
+        if !restored.insert(c.gpu_block) {
+            return invalid(format!("the plan restores two pages into GPU block {}", c.gpu_block));
+        }
+    }
+    let mut written = HashSet::with_capacity(plan.materialize.len());
+    for c in &plan.materialize {
+        within("copied GPU block", c.gpu_block as i64, 1, gpu_blocks)?;
+        within("copied host block", c.host_block as i64, 0, host_blocks)?;
+        if !written.insert(c.host_block) {
+            return invalid(format!("the plan copies two pages into host block {}", c.host_block));
+        }
+    }
+    Ok(())
+}
+
+/// Applies `plan` in SPEC.md's order: cleared rows, the rows' requests, lengths, table entries and
+/// releasable flags, hot regions, then the copies (restores host -> GPU, then page copies GPU -> host).
+pub fn apply_plan(
+    plan: &StepPlan,
+    geo: &WorkerGeometry,
+    st: &mut WorkerState<'_>,
+    layers: &mut [LayerSlabs<'_>],
+) -> Result<()> {
+    let s = st.rows(geo)?;
+    let unit_bytes = geo.block_size * geo.row_bytes;
+    if unit_bytes == 0 || layers.is_empty() {
+        return invalid("apply needs a positive row size and at least one layer");
+    }
+    let gpu_blocks = layers[0].gpu.len() / unit_bytes;
+    let host_blocks = layers[0].host.len() / unit_bytes;
+    if layers
+        .iter()
+        .any(|l| l.gpu.len() != gpu_blocks * unit_bytes || l.host.len() != host_blocks * unit_bytes)
+    {
+        return invalid("every layer's slab and host pool must be whole blocks of the same size");
+    }
+    check_plan(plan, s, geo, gpu_blocks, host_blocks)?;
+    let p = geo.pages;
+    for &row in &plan.cleared_rows {
+        let r = row as usize;
+        st.seq_lens[r] = 0;
+        st.row_request[r] = -1;
+        st.status[r] = 0;
+        st.block_table[r * p..(r + 1) * p].fill(0);
+        st.host_table[r * p..(r + 1) * p].fill(-1);
+        st.releasable[r * p..(r + 1) * p].fill(0);
+        st.heat[r * p..(r + 1) * p].fill(0);
+        st.reset_hot(r, geo, &[]);
+    }
+    for l in &plan.seq_lens {
+        st.seq_lens[l.row as usize] = l.len as i32;
+        st.row_request[l.row as usize] = l.request as i64;
+    }
+    for u in &plan.table_updates {
+        let i = u.row as usize * p + u.page as usize;
+        st.block_table[i] = u.gpu_block as i32;
+        st.host_table[i] = u.host_block;
+        st.releasable[i] = u.releasable as u8;
+    }
+    for h in &plan.hot_updates {
+        st.reset_hot(h.row as usize, geo, &h.blocks);
+    }
+    let pairs = |copies: &mut dyn Iterator<Item = (u32, u32)>| -> Vec<i64> {
+        copies.flat_map(|(g, h)| [g as i64, h as i64]).collect()
+    };
+    let restores = pairs(&mut plan.restores.iter().map(|c| (c.gpu_block, c.host_block)));
+    copy_units(&restores, geo.block_size, geo.row_bytes, Direction::HostToDevice, layers)?;
+    let copies = pairs(&mut plan.materialize.iter().map(|c| (c.gpu_block, c.host_block)));
+    copy_units(&copies, geo.block_size, geo.row_bytes, Direction::DeviceToHost, layers)
+}
+
+/// The slot mapping of a plan: the GPU row of every token its scheduled requests write, request after
+/// request in the plan's order, read from `block_table` ([S, P], as applied). Refuses a token whose page has no
+/// resident block (a table out of step with the plan).
+pub fn slot_mapping(
+    plan: &StepPlan,
+    block_table: &[i32],
+    pages: usize,
+    block_size: usize,
+) -> Result<Vec<i64>> {
+    let total: usize = plan.scheduled.iter().map(|s| s.tokens as usize).sum();
+    let mut out = Vec::with_capacity(total);
+    for s in &plan.scheduled {
+        let (row, bs) = (s.row as usize, block_size as u64);
+        for pos in s.start as u64..s.start as u64 + s.tokens as u64 {
+            let page = (pos / bs) as usize;
+            let block =
+                (page < pages).then(|| block_table.get(row * pages + page)).flatten().copied().unwrap_or(0);
+            if block <= 0 {
+                return invalid(format!("row {row} writes position {pos}, whose page has no resident block"));
+            }
+            out.push(block as i64 * bs as i64 + (pos % bs) as i64);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{HotUpdate, PageCopy, Restore, RowLength, Scheduled, TableUpdate};
+
+    const GEO: WorkerGeometry =
+        WorkerGeometry { pages: 4, block_size: 2, groups: 2, hot_rows: 4, row_bytes: 16 };
+    const S: usize = 2;
+
+    struct Tensors {
+        i32s: [Vec<i32>; 7],
+        releasable: Vec<u8>,
+        row_request: Vec<i64>,
+        gpu: Vec<u8>,
+        host: Vec<u8>,
+    }
+
+    impl Tensors {
+        fn new() -> Self {
+            let (p, gh) = (S * GEO.pages, S * GEO.groups * GEO.hot_rows);
+            Tensors {
+                // seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat (+ status below)
+                i32s: [
+                    vec![0; S],
+                    vec![0; p],
+                    vec![-1; p],
+                    vec![0; S * 2],
+                    vec![-1; gh],
+                    vec![0; gh],
+                    vec![3; p],
+                ],
+                releasable: vec![0; p],
+                row_request: vec![-1; S],
+                // 6 GPU blocks and 5 host blocks of 2 rows of 16 bytes; each byte says where it is.
+                gpu: (0..6 * 32).map(|i| i as u8).collect(),
+                host: (0..5 * 32).map(|i| 200 - i as u8).collect(),
+            }
+        }
+
+        fn apply(&mut self, plan: &StepPlan) -> Result<()> {
+            let mut status = vec![0; S];
+            let [seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat] = &mut self.i32s;
+            let mut st = WorkerState {
+                seq_lens,
+                block_table,
+                host_table,
+                releasable: &mut self.releasable,
+                row_request: &mut self.row_request,
+                hot_blocks,
+                hot_pos,
+                hot_lru,
+                heat,
+                status: &mut status,
+            };
+            let mut layers = [LayerSlabs { gpu: &mut self.gpu, host: &mut self.host }];
+            apply_plan(plan, &GEO, &mut st, &mut layers)
+        }
+    }
+
+    fn plan() -> StepPlan {
+        StepPlan {
+            scheduled: vec![Scheduled { request: u64::MAX - 1, row: 1, start: 0, tokens: 5 }],
+            seq_lens: vec![RowLength { row: 1, len: 5, request: u64::MAX - 1 }],
+            table_updates: vec![
+                TableUpdate { row: 1, page: 0, gpu_block: 3, host_block: 2, releasable: true },
+                TableUpdate { row: 1, page: 2, gpu_block: 4, host_block: -1, releasable: false },
+            ],
+            hot_updates: vec![HotUpdate { row: 1, blocks: vec![1, 2] }],
+            restores: vec![Restore { gpu_block: 3, host_block: 2 }],
+            materialize: vec![PageCopy { transfer: 1, gpu_block: 4, host_block: 0 }],
+            ..StepPlan::default()
+        }
+    }
+
+    #[test]
+    fn applies_tables_hot_regions_and_copies() {
+        let mut t = Tensors::new();
+        let (gpu0, host0) = (t.gpu.clone(), t.host.clone());
+        t.apply(&plan()).unwrap();
+        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, _] = &t.i32s;
+        assert_eq!(seq_lens, &[0, 5]);
+        assert_eq!(t.row_request[1] as u64, u64::MAX - 1);
+        assert_eq!(block_table[4..], [3, 0, 4, 0]);
+        assert_eq!(host_table[4..], [2, -1, -1, -1]);
+        assert_eq!(t.releasable[4..], [1, 0, 0, 0]);
+        assert_eq!(hot_blocks, &[0, 0, 1, 2]);
+        assert_eq!(hot_pos[8..], [-1; 8]);
+        assert_eq!(hot_lru[8..], [0, 1, 2, 3, 0, 1, 2, 3]);
+        assert_eq!(t.gpu[96..128], host0[64..96]); // block 3 restored from host block 2
+        assert_eq!(t.host[0..32], gpu0[128..160]); // block 4 copied to host block 0
+                                                   // Clearing the row resets every table, the heat and the hot region.
+        t.apply(&StepPlan { cleared_rows: vec![1], ..StepPlan::default() }).unwrap();
+        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, _, heat] = &t.i32s;
+        assert_eq!((seq_lens[1], t.row_request[1]), (0, -1));
+        assert_eq!(
+            (&block_table[4..], &host_table[4..], &heat[4..]),
+            (&[0; 4][..], &[-1; 4][..], &[0; 4][..])
+        );
+        assert_eq!(
+            (&t.releasable[4..], &hot_blocks[2..], &hot_pos[8..]),
+            (&[0; 4][..], &[0; 2][..], &[-1; 8][..])
+        );
+    }
+
+    #[test]
+    fn the_slot_mapping_follows_the_applied_tables() {
+        let mut t = Tensors::new();
+        let plan = plan(); // row 1 writes positions 0..5: pages 0 (block 3) and 2 (block 4) are resident
+        t.apply(&plan).unwrap();
+        let table = &t.i32s[1];
+        assert!(slot_mapping(&plan, table, GEO.pages, GEO.block_size).is_err()); // page 1 has no block
+        let mut t2 = Tensors::new();
+        let mut full = plan.clone();
+        full.table_updates.push(TableUpdate {
+            row: 1,
+            page: 1,
+            gpu_block: 5,
+            host_block: -1,
+            releasable: false,
+        });
+        t2.apply(&full).unwrap();
+        assert_eq!(slot_mapping(&full, &t2.i32s[1], GEO.pages, GEO.block_size).unwrap(), [6, 7, 10, 11, 8]);
+    }
+
+    #[test]
+    fn refuses_a_plan_outside_the_layout_and_changes_nothing() {
+        let bad = [
+            StepPlan { cleared_rows: vec![2], ..plan() },
+            StepPlan { seq_lens: vec![RowLength { row: 0, len: 9, request: 1 }], ..plan() },
+            StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![1] }], ..plan() },
+            StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![0, 1] }], ..plan() },
+            StepPlan { restores: vec![Restore { gpu_block: 6, host_block: 0 }], ..plan() },
+            StepPlan {
+                restores: vec![
+                    Restore { gpu_block: 3, host_block: 0 },
+                    Restore { gpu_block: 3, host_block: 1 },
+                ],
+                ..plan()
+            },
+            StepPlan {
+                materialize: vec![
+                    PageCopy { transfer: 1, gpu_block: 1, host_block: 4 },
+                    PageCopy { transfer: 2, gpu_block: 2, host_block: 4 },
+                ],
+                ..plan()
+            },
+            StepPlan { missing_blocks: 1, ..StepPlan::default() },
+        ];
+        let mut t = Tensors::new();
+        let before = (t.i32s.clone(), t.releasable.clone(), t.gpu.clone(), t.host.clone());
+        for (i, p) in bad.iter().enumerate() {
+            assert!(t.apply(p).is_err(), "plan {i} was applied");
+            assert_eq!(
+                (t.i32s.clone(), t.releasable.clone(), t.gpu.clone(), t.host.clone()),
+                before,
+                "plan {i}"
+            );
+        }
+    }
+}

@@ -1,0 +1,373 @@
+"""Every public boundary refuses bad input with a ``HiSparseError`` and changes nothing.
+
+One serving state (a few requests, some copies in flight, pressure, a hot region), then every entry point of
+``ResidencyManager``, ``SchedulerHooks``, ``WorkerHooks``, ``DataPath`` and ``Layout`` is fed wrong types,
+negatives, huge values (2**31, 2**32, 2**63, 2**64), floats, NaN, out-of-range rows, layers, positions and
+pages, ragged and duplicate pairs. Each call must raise a ``HiSparseError`` subclass (never a raw
+``TypeError``/``OverflowError``/``IndexError``...), the manager's and the worker's state must be
+byte-identical afterwards, and at the end the audit passes and a valid step reads every byte back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import plans
+import pytest
+import torch
+
+from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, _core
+from hisparse.hooks import StepResults, WorkerStep
+from hisparse.scenario import Driver
+
+LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
+                hot_rows=16, row_bytes=16, layer_groups=(0, 1, 1))
+TOP_K = 8
+
+#: Never a valid integer argument anywhere.
+NOT_INTS = [1.5, 2.0, math.nan, math.inf, -math.inf, True, False, "3", b"3", [3], (3,), None, object()]
+#: Integers outside 0..2**32 (u32 arguments: sizes, lengths, token counts, rows, pages, layers).
+NOT_U32 = [-1, -(2**31), 2**32, 2**63, 2**64, 2**100, -(2**64)]
+#: Integers outside 0..2**64 (u64 arguments: request and transfer ids).
+NOT_U64 = [-1, -(2**63), 2**64, 2**100]
+#: Valid u64 ids that no request has.
+UNKNOWN_IDS = [2**31, 2**32, 2**63, 2**64 - 1]
+
+
+def serving() -> Driver:
+    """A Driver mid-run: three requests, pressure (one in mixed residency), copies withheld in flight."""
+    m = ResidencyManager(num_gpu_blocks=LAYOUT.num_gpu_blocks, num_host_blocks=LAYOUT.num_host_blocks,
+                         block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len,
+                         max_running=LAYOUT.max_running, top_k=TOP_K, hot_rows=LAYOUT.hot_rows,
+                         num_index_groups=LAYOUT.num_groups, watermark=4, page_bytes=LAYOUT.page_bytes)
+    d = Driver(m, DataPath(LAYOUT), top_k=TOP_K, seed=7)
+    for rid in range(3):
+        d.admit(rid, 40, family=rid % 2, shared_tokens=16, max_len=90)
+    d.step([(rid, 40) for rid in range(3)])
+    for _ in range(12):
+        d.step([(rid, 2) for rid in range(3)], deliver=0.8)
+        d.decode_resolve([0, 1, 2])
+    d.close(deliver=0.5)
+    assert d.withheld, "the battery wants copies in flight"
+    assert any(d.info(r)["residency"] != "full" for r in range(3)), "the battery wants pressure"
+    d.step([(rid, 1) for rid in range(3)])  # a step open on the worker, its results outstanding
+    return d
+
+
+def snapshot(d: Driver) -> tuple:
+    m = d.m
+    ids = m.request_ids()
+    core = (m.stats(), ids, [m.block_table(i) for i in ids], [m.page_states(i) for i in ids],
+            [m.hot_blocks(i) for i in ids], d.sched.metrics(), d.sched.awaiting_results, d.worker.in_step)
+    worker = {**{k: v.clone() for k, v in d.dp.state.items()}, "gpu": d.dp.gpu.clone(), "host": d.dp.host.clone()}
+    return core, worker
+
+
+def assert_same(before: tuple, after: tuple, what: str) -> None:
+    assert before[0] == after[0], f"{what}: the scheduler's state changed"
+    for k, v in before[1].items():
+        assert torch.equal(v, after[1][k]), f"{what}: worker tensor {k} changed"
+
+
+def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
+    """entry point -> [(description, call)]; every call must raise a HiSparseError and change nothing."""
+    m, sched, worker, dp = d.m, d.sched, d.worker, d.dp
+    core = d.core(0)
+    name = d.name(0)
+    step = d.open
+    assert step is not None
+    cases: dict[str, list[tuple[str, Callable[[], object]]]] = {}
+
+    def add(entry: str, what: str, call: Callable[[], object]) -> None:
+        cases.setdefault(entry, []).append((what, call))
+
+    # ------------------------------------------------------------ ResidencyManager
+    sizes = dict(num_gpu_blocks=64, num_host_blocks=64, block_size=16, max_model_len=512, max_running=4, top_k=32)
+    for arg in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running", "top_k",
+                "hot_rows", "speculative_tokens", "num_index_groups", "tail_pages", "watermark", "materialize_budget",
+                "page_bytes"):
+        # page_bytes is a byte count (u64): large values are refused by the configuration, not the type.
+        for bad in NOT_INTS + (NOT_U64 + [2**41, 2**63] if arg == "page_bytes" else NOT_U32):
+            if bad is None and arg not in ("num_gpu_blocks", "max_model_len"):
+                continue  # None means "the default" for optional sizes
+            add("ResidencyManager()", f"{arg}={bad!r}",
+                lambda arg=arg, bad=bad: ResidencyManager(**{**sizes, arg: bad}))
+    no_host = {k: v for k, v in sizes.items() if k != "num_host_blocks"}
+    for bad in [math.nan, math.inf, -1.0, 0.0, 1e308, "1", True]:
+        add("ResidencyManager()", f"host_pool_gib={bad!r}",
+            lambda bad=bad: ResidencyManager(**no_host, host_pool_gib=bad, page_bytes=4096))
+    for bad in ["coldest ", "LRU", 1, b"fifo"]:
+        add("ResidencyManager()", f"policy={bad!r}", lambda bad=bad: ResidencyManager(**sizes, policy=bad))
+    add("ResidencyManager()", "both host sizes", lambda: ResidencyManager(**sizes, host_pool_gib=1.0, page_bytes=8))
+
+    for bad in NOT_INTS + NOT_U64:
+        add("admit", f"request_id={bad!r}", lambda bad=bad: m.admit(bad, 8))
+    for bad in NOT_INTS + NOT_U32 + [0, 97]:
+        add("admit", f"prompt_len={bad!r}", lambda bad=bad: m.admit(99, bad))
+    for bad in [*NOT_INTS[:6], -1, 2**32, 97]:
+        add("admit", f"max_len={bad!r}", lambda bad=bad: m.admit(99, 8, None, bad))
+    for bad in [[1.5], [True], ["h"], [2**64], [-(2**63) - 1], "abc", 7, [[1]], list(range(30))]:
+        add("admit", f"prefix_hashes={bad!r:.40}", lambda bad=bad: m.admit(99, 8, bad))
+    add("admit", "an admitted id", lambda: m.admit(core, 8))
+
+    class Huge:
+        """A sequence that claims to be enormous: nothing may allocate for its length."""
+
+        def __len__(self):
+            return 2**60
+
+        def __iter__(self):
+            return iter(range(2**40))
+
+    for entry, call in [("complete", lambda: m.complete(range(2**40))), ("complete", lambda: m.complete(Huge())),
+                        ("plan_step", lambda: m.plan_step((core, 1) for _ in range(2**40))),
+                        ("admit", lambda: m.admit(99, 8, Huge())),
+                        ("apply_results", lambda: m.apply_results(completed=Huge()))]:
+        add(entry, "a sequence of 2**40 elements", call)
+    for what, kwargs in [("block_size 0", dict(block_size=0)),
+                         ("overflow", dict(seq_len=2**64 - 1, block_size=1, tail_pages=0, groups=1)),
+                         ("groups overflow", dict(seq_len=0, block_size=1, tail_pages=2**32 - 1, groups=2**32 - 1))]:
+        full = dict(seq_len=1, block_size=16, hot_rows=32, tail_pages=2, groups=1) | kwargs
+        add("steady_state_blocks", what, lambda full=full: _core.steady_state_blocks(**full))
+    for entry, call in [("resume", m.resume), ("finish", m.finish), ("preempt", m.preempt),
+                        ("request_info", m.request_info), ("block_table", m.block_table),
+                        ("page_states", m.page_states), ("hot_blocks", m.hot_blocks)]:
+        for bad in NOT_INTS + NOT_U64 + UNKNOWN_IDS:
+            add(entry, f"request_id={bad!r}", lambda call=call, bad=bad: call(bad))
+    add("resume", "a running request", lambda: m.resume(core))
+
+    for bad in [None, 5, "ab", b"ab", [5], [(core,)], [(core, 1, 2)], [(core, 1.0)], [(core, True)], [(core, -1)],
+                [(core, 2**32)], [(core, 2**64)], [(-1, 1)], [(2**64, 1)], [(1.5, 1)], [(core, 1), (core, 1)],
+                [(core, 10_000)], [(12345, 1)], [[core, 1, 2]], [(core, 1), 7]]:
+        add("plan_step", f"{bad!r:.40}", lambda bad=bad: m.plan_step(bad))
+
+    in_flight = list(d.withheld)
+    for bad in [None, 7, "ab", [1.5], [True], [-1], [2**64], [10**9], in_flight[:1] * 2, [*in_flight, 10**9]]:
+        add("complete", f"transfer_ids={bad!r:.40}", lambda bad=bad: m.complete(bad))
+    for bad in [1, 0, "yes", None]:
+        if bad is None:
+            continue
+        add("complete", f"ok={bad!r}", lambda bad=bad: m.complete(in_flight[:1], bad))
+    first = in_flight[:1]
+    for what, kwargs in [
+        ("completed unknown", dict(completed=[10**9])),
+        ("failed unknown", dict(completed=first, failed=[10**9])),
+        ("completed and failed", dict(completed=first, failed=first)),
+        ("completed twice", dict(completed=first * 2)),
+        ("completed float", dict(completed=[1.0])),
+        ("failed negative", dict(failed=[-1])),
+        ("heat not bytes", dict(completed=first, heat="HSHT")),
+        ("heat int list", dict(heat=[1, 2])),
+        ("heat truncated", dict(completed=first, heat=plans.heat({core: [(0, 1)]})[:-1])),
+        ("heat unordered", dict(completed=first, heat=plans.heat({core: [(5, 1), (0, 2)]}))),
+        ("heat page twice", dict(heat=plans.heat({core: [(0, 1), (3, 1)]}))),
+        ("heat request twice", dict(heat=plans.heat([(core, [(0, 1)]), (core, [(0, 2)])]))),
+        ("heat garbage", dict(heat=b"\x00" * 40)),
+        ("heat of a plan", dict(heat=step.plan.to_bytes())),
+    ]:
+        add("apply_results", what, lambda kwargs=kwargs: m.apply_results(**kwargs))
+    for bad in [[1.5], [-(2**63) - 1], [2**64], "ab", 5, [None], [True]]:
+        add("add_page_hashes", f"hashes={bad!r}", lambda bad=bad: m.add_page_hashes(core, bad))
+    add("add_page_hashes", "beyond max_len", lambda: m.add_page_hashes(core, list(range(40))))
+    for bad in NOT_INTS[:6] + NOT_U64 + UNKNOWN_IDS:
+        add("add_page_hashes", f"request_id={bad!r}", lambda bad=bad: m.add_page_hashes(bad, [1]))
+
+    # ------------------------------------------------------------ SchedulerHooks
+    for bad in [7, None, b"r0", 1.5, ("r",)]:
+        add("SchedulerHooks.admit", f"request_id={bad!r}", lambda bad=bad: sched.admit(bad, 8))
+    add("SchedulerHooks.admit", "an admitted name", lambda: sched.admit(name, 8))
+    for bad in NOT_INTS + NOT_U32:
+        add("SchedulerHooks.admit", f"prompt_len={bad!r}", lambda bad=bad: sched.admit("new", bad))
+    for bad in [[1.5], ["x"], [2**64], 5]:
+        add("SchedulerHooks.admit", f"prefix_hashes={bad!r}", lambda bad=bad: sched.admit("new", 8, bad))
+    for entry, call in [("SchedulerHooks.resume", sched.resume), ("SchedulerHooks.finish", sched.finish),
+                        ("SchedulerHooks.preempt", sched.preempt), ("SchedulerHooks.request_info", sched.request_info),
+                        ("SchedulerHooks.core_id", sched.core_id)]:
+        for bad in ["nobody", 0, None, 1.5, b"r0", [name]]:
+            add(entry, f"{bad!r}", lambda call=call, bad=bad: call(bad))
+    for bad in [-1, 10**9, None, "r0"]:
+        add("SchedulerHooks.request_id", f"{bad!r}", lambda bad=bad: sched.request_id(bad))
+    # A step's results are outstanding: a second plan is refused whatever it holds, and so is anything else.
+    for bad in [[(name, 1)], [], None, 5, [(name,)], [(name, 1.5)]]:
+        add("SchedulerHooks.plan_step", f"{bad!r:.40}", lambda bad=bad: sched.plan_step(bad))
+    good = StepResults(step.step)
+    for what, bad in [
+        ("not results", None), ("a dict", {"step": step.step}), ("another step", replace(good, step=step.step + 1)),
+        ("unknown copy", replace(good, completed=(10**9,))),
+        ("both", replace(good, completed=tuple(first), failed=tuple(first))),
+        ("twice", replace(good, completed=tuple(first) * 2)),
+        ("bad heat", replace(good, heat=b"junk")), ("heat str", replace(good, heat="x")),
+        ("negative hits", replace(good, hits=-1)), ("float misses", replace(good, misses=1.5)),
+        ("bool bytes", replace(good, h2d_bytes=True)), ("completed floats", replace(good, completed=(1.0,))),
+        ("step a tensor", replace(good, step=torch.tensor([step.step, step.step]))),
+        ("step a float", replace(good, step=float(step.step))),
+    ]:
+        add("SchedulerHooks.apply_results", what, lambda bad=bad: sched.apply_results(bad))
+
+    # ------------------------------------------------------------ WorkerHooks (a step is open)
+    for what, bad in [("not a step", None), ("a plan", step.plan), ("again", step),
+                      ("next while open", WorkerStep(step.step + 1, step.plan, step.request_ids))]:
+        add("WorkerHooks.apply", what, lambda bad=bad: worker.apply(bad))
+    for what, args in [("no request ids", (step.step, step.plan)), ("step as str", ("1", step.plan, step.request_ids)),
+                       ("no plan", (1, None, ())), ("negative step", (-1, step.plan, step.request_ids)),
+                       ("ids not str", (step.step, step.plan, tuple(range(len(step.request_ids))))),
+                       ("one id too many", (step.step, step.plan, (*step.request_ids, "x")))]:
+        add("WorkerStep()", what, lambda args=args: WorkerStep(*args))
+    pos = torch.tensor([40 + 24])  # request 0 writes position 64 in the open step
+    for what, call in [
+        ("unknown request", lambda: worker.token_rows("nobody", pos)),
+        ("request not in step", lambda: worker.token_rows(7, pos)),
+        ("float positions", lambda: worker.token_rows(name, pos.float())),
+        ("bool positions", lambda: worker.token_rows(name, pos > 0)),
+        ("a list", lambda: worker.token_rows(name, [64])),
+        ("history position", lambda: worker.token_rows(name, torch.tensor([3]))),
+        ("future position", lambda: worker.token_rows(name, torch.tensor([65]))),
+        ("negative position", lambda: worker.token_rows(name, torch.tensor([-1]))),
+        ("2**32 + 64", lambda: worker.token_rows(name, torch.tensor([2**32 + 64]))),
+    ]:
+        add("WorkerHooks.token_rows", what, call)
+    kv = torch.zeros(1, LAYOUT.row_bytes, dtype=torch.uint8)
+    for bad in [-1, 3, 2**32, 1.0, True, None, "0"]:
+        add("WorkerHooks.write", f"layer={bad!r}", lambda bad=bad: worker.write(name, pos, bad, kv))
+    for what, rows in [("float rows", kv.float()), ("short rows", kv[:, :8]), ("two rows", kv.repeat(2, 1)),
+                       ("a list", [[0] * 16])]:
+        add("WorkerHooks.write", what, lambda rows=rows: worker.write(name, pos, 0, rows))
+    topk = torch.arange(TOP_K, dtype=torch.int32)[None]
+    row = torch.tensor([d.info(0)["row"]], dtype=torch.int32)
+    for what, call in [
+        ("group -1", lambda: worker.resolve(topk, row, -1)),
+        ("group 2", lambda: worker.resolve(topk, row, 2)),
+        ("group 1.0", lambda: worker.resolve(topk, row, 1.0)),
+        ("float topk", lambda: worker.resolve(topk.float(), row)),
+        ("bool topk", lambda: worker.resolve(topk > 0, row)),
+        ("1-D topk", lambda: worker.resolve(topk[0], row)),
+        ("row 6", lambda: worker.resolve(topk, torch.tensor([6]))),
+        ("row -2", lambda: worker.resolve(topk, torch.tensor([-2]))),
+        ("row 2**32", lambda: worker.resolve(topk, torch.tensor([2**32]))),
+        ("float rows", lambda: worker.resolve(topk, row.float())),
+        ("rows of two", lambda: worker.resolve(topk, torch.tensor([0, 1], dtype=torch.int32))),
+        ("unknown name", lambda: worker.resolve(topk, ["nobody"])),
+        ("not a tensor", lambda: worker.resolve([[0] * TOP_K], row)),
+        ("complex topk", lambda: worker.resolve(topk.to(torch.complex64), row)),
+    ]:
+        add("WorkerHooks.resolve", what, call)
+    for what, call in [
+        ("float topk", lambda: worker.resident(row, topk.float())),
+        ("row 6", lambda: worker.resident(torch.tensor([6]), topk)),
+        ("shape", lambda: worker.resident(torch.tensor([0, 1]), topk)),
+    ]:
+        add("WorkerHooks.resident", what, call)
+    ids = torch.zeros(1, TOP_K, dtype=torch.int32)
+    for what, call in [
+        ("layer -1", lambda: worker.gather(ids, -1)),
+        ("layer 3", lambda: worker.gather(ids, 3)),
+        ("layer True", lambda: worker.gather(ids, True)),
+        ("int64 ids", lambda: worker.gather(ids.long(), 0)),
+        ("row beyond the slab", lambda: worker.gather(torch.full((1, 2), 40 * 4, dtype=torch.int32), 0)),
+        ("a list", lambda: worker.gather([[0]], 0)),
+    ]:
+        add("WorkerHooks.gather", what, call)
+    for what, kwargs in [("interval 0", dict(heat_interval=0)), ("interval 1.5", dict(heat_interval=1.5)),
+                         ("coldest -1", dict(heat_coldest=-1)), ("hottest True", dict(heat_hottest=True)),
+                         ("coldest 2**24", dict(heat_coldest=2**24))]:
+        add("WorkerHooks()", what, lambda kwargs=kwargs: type(worker)(dp, **kwargs))
+    add("WorkerHooks()", "not a DataPath", lambda: type(worker)(None))
+
+    # ------------------------------------------------------------ DataPath
+    bad_pairs = [[(0, 1, 2)], [(0,)], [(1.5, 1)], [(True, 1)], [(2**40, 0)], [(2**64, 0)], [(0, 2**63)], "ab", 7,
+                 [(1, 2), (3,)], [None]]
+    for bad in [*bad_pairs, [(40, 0)], [(0, 160)], [(1, 5), (1, 6)]]:
+        add("DataPath.copy_blocks", f"{bad!r:.30} to GPU", lambda bad=bad: dp.copy_blocks(bad, to_host=False))
+    for bad in [*bad_pairs, [(1, 5), (2, 5)]]:
+        add("DataPath.copy_blocks", f"{bad!r:.30} to host", lambda bad=bad: dp.copy_blocks(bad, to_host=True))
+    for bad in [*bad_pairs, [(160, 0)], [(0, 640)], [(1, 5), (2, 5)]]:
+        add("DataPath.mirror", f"{bad!r:.30}", lambda bad=bad: dp.mirror(bad))
+    for bad in [*bad_pairs, [(6, 0)], [(0, 96)]]:
+        add("DataPath.invalidate", f"{bad!r:.30}", lambda bad=bad: dp.invalidate(bad))
+    for what, call in [
+        ("row -1", lambda: dp.token_rows(-1, torch.tensor([0]))),
+        ("row 6", lambda: dp.token_rows(6, torch.tensor([0]))),
+        ("row 1.0", lambda: dp.token_rows(1.0, torch.tensor([0]))),
+        ("position -1", lambda: dp.token_rows(0, torch.tensor([-1]))),
+        ("position 96", lambda: dp.token_rows(0, torch.tensor([96]))),
+        ("float positions", lambda: dp.token_rows(0, torch.tensor([1.0]))),
+        ("2-D positions", lambda: dp.token_rows(0, torch.tensor([[1]]))),
+        ("not resident", lambda: dp.token_rows(5, torch.tensor([0]))),
+    ]:
+        add("DataPath.token_rows", what, call)
+    for bad in [-1, 1.5, True, 2**24, "8", None]:
+        add("DataPath.heat_summary", f"coldest={bad!r}", lambda bad=bad: dp.heat_summary(bad))
+        add("DataPath.heat_summary", f"hottest={bad!r}", lambda bad=bad: dp.heat_summary(8, bad))
+    add("DataPath.copy_blocks", "to_host 'no'", lambda: dp.copy_blocks([(1, 1)], to_host="no"))
+    add("DataPath.copy_blocks", "a restore into block 0", lambda: dp.copy_blocks([(0, 1)], to_host=False))
+    for what, args in [("no layout", (None,)), ("bogus device", (LAYOUT, "bogus")), ("meta", (LAYOUT, "meta")),
+                       ("cuda 99", (LAYOUT, "cuda:99")), ("device 5", (LAYOUT, 5.5))]:
+        add("DataPath()", what, lambda args=args: DataPath(*args))
+    for what, gpu, host in [("gpu 5", 5, dp.host), ("two layers of three", list(dp.gpu[:2]), dp.host),
+                            ("host a list", dp.gpu, [dp.host]), ("host float", dp.gpu, dp.host.float()),
+                            ("gpu the host", dp.host, dp.host)]:
+        add("WorkerHooks.register", what, lambda gpu=gpu, host=host: type(worker).register(LAYOUT, gpu, host))
+    for what, plan in [("not a plan", None), ("bytes", step.plan.to_bytes()),
+                       ("short", plans.plan(missing_blocks=1)), ("row 6", plans.plan(cleared_rows=[6])),
+                       ("block 40", plans.plan(restores=[(40, 1)]))]:
+        add("DataPath.apply", what, lambda plan=plan: dp.apply(plan))
+    for what, call in [("group 2", lambda: dp.resolve(topk, row, 2)),
+                       ("layer 3", lambda: dp.gather(ids, 3)),
+                       ("int64 topk", lambda: dp.resolve(topk.long(), row)),
+                       ("row 9", lambda: dp.resolve(topk, row + 9))]:
+        add("DataPath.resolve/gather", what, call)
+
+    # ------------------------------------------------------------ Layout
+    for field in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running", "hot_rows",
+                  "row_bytes"):
+        for bad in [0, -16, 16.0, True, None, "16"]:
+            add("Layout()", f"{field}={bad!r}", lambda field=field, bad=bad: Layout(**{**LAYOUT.__dict__, field: bad}))
+    for bad in [(), (1,), (0, 2), (-1, 0), (0.0,), "0"]:
+        add("Layout()", f"layer_groups={bad!r}", lambda bad=bad: Layout(**{**LAYOUT.__dict__, "layer_groups": bad}))
+    return cases
+
+
+def test_every_bad_input_is_refused_cleanly_and_changes_nothing():
+    d = serving()
+    cases = battery(d)
+    before = snapshot(d)
+    raw = []
+    for entry, calls in cases.items():
+        for what, call in calls:
+            try:
+                call()
+            except HiSparseError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the point: nothing else may escape
+                raw.append(f"{entry} {what}: {type(exc).__name__}: {exc}")
+            else:
+                raw.append(f"{entry} {what}: accepted")
+            assert_same(before, snapshot(d), f"{entry} {what}")
+    assert not raw, "\n".join(raw)
+    # The state is intact and still serves: the audit passes, a valid step reads every byte back.
+    d.m.check_invariants()
+    d.step([(rid, 1) for rid in range(3)], deliver=1.0)
+    for rid in range(3):
+        assert d.verify_all(rid) == d.specs[rid].written
+    d.close()
+    assert sum(len(calls) for calls in cases.values()) > 500
+
+
+def test_battery_sizes(capsys):
+    """The number of bad inputs per entry point (for the record; each one is asserted above)."""
+    cases = battery(serving())
+    with capsys.disabled():
+        print("\n" + ", ".join(f"{entry}: {len(calls)}" for entry, calls in cases.items()))
+    assert all(len(calls) >= 3 for calls in cases.values())
+
+
+@pytest.mark.parametrize("ids", [[-(2**63), -1, 2**63, 2**64 - 1], [hash("a"), hash("b")]])
+def test_negative_and_huge_hashes_are_hashes(ids):
+    """Python's hash() is negative half the time: every int in -2**63..2**64 is a valid page hash."""
+    m = ResidencyManager(num_gpu_blocks=64, num_host_blocks=64, block_size=4, max_model_len=64, top_k=4)
+    a = m.admit(1, 4 * len(ids) + 1, ids)
+    assert a.cached_tokens == 0
+    m.add_page_hashes(1, [0])
+    m.check_invariants()

@@ -1,0 +1,275 @@
+"""The command line refuses bad input in one line on stderr with exit status 2, never a traceback.
+
+The battery runs ``hisparse.cli.main`` in-process; nothing in it may start a run (each tool's run function is
+replaced by one that fails the test), and the memory available is fixed at 16 GiB so that the refusals do not
+depend on the machine. A few cases go through a subprocess to show that no traceback reaches stderr.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from hisparse import CapacityError, ConfigError, InvariantError
+from hisparse.cli import COMMANDS, main
+from hisparse.engine import demo
+from hisparse.tools import console, simulate
+
+BIG_INTS = ("4294967296", "9223372036854775808", "18446744073709551616")  # 2**32, 2**63, 2**64
+BAD_NUMBERS = ("abc", "", "1.5", "1e3", "0x10", "nan", "inf", "-inf", "9" * 5000)
+BAD_FLOATS = ("abc", "", "nan", "inf", "-inf", "NaN", "1e400", "-1", "0")
+
+
+def ints(*extra: str) -> tuple[str, ...]:
+    """What a count flag refuses: not an integer, not positive, beyond u32."""
+    return (*BAD_NUMBERS, "-1", "0", *BIG_INTS, *extra)
+
+
+# (subcommand, flag, bad values): each value is tried alone after the flag.
+DEMO = [
+    ("--requests", ints("2147483648")),  # 2**31 requests: the memory check
+    ("--prompt-len", ints("2147483648", "1048576")),  # the model's exact indexer scores stop at 2**20 positions
+    ("--new-tokens", ints("2147483648", "1048576")),
+    ("--layers", ints("2147483648", "100000")),  # the memory check
+    ("--index-share", ints("2147483648", "3")),  # more than --layers 2
+    ("--fit", (*BAD_FLOATS, "1e308", "2147483648", "1e-300", "0.5", "1")),  # memory; one request does not fit
+    ("--seed", ("abc", "1.5", "nan", "-1", "18446744073709551616", "1e308")),
+    ("--device", ("bogus", "gpu", "cuda:x", "cuda:", "", "cuda", "cuda:1")),  # no CUDA device in the battery
+    ("--modes", (",", "", " , ", "bogus", "hisparse,bogus", "HISPARSE,swap")),
+]
+SCENARIO = [
+    ("--seed", ("abc", "", "1.5", "nan", "inf", "-1", "18446744073709551616", "1e308")),
+]
+CALC = [
+    ("--tp", ints()), ("--dp", ints()), ("--seq", ints()), ("--hot-rows", ints()),
+    ("--mtp", (*BAD_NUMBERS, "-1", *BIG_INTS, "2147483648")),  # (2**31 + 2) * top_k hot rows overflow u32
+    ("--groups", ints()), ("--retained-pages", (*BAD_NUMBERS, "-1", *BIG_INTS)),
+    ("--max-seqs", ints()), ("--mla-row-bytes", ints()),
+    ("--host-gib", ("abc", "", "nan", "inf", "-inf", "-1", "1e308", "2e9", "18446744073709551616")),
+    ("--kv-hbm-gib", ("abc", "", "nan", "inf", "-inf", "-1", "1e308", "2e9", "18446744073709551616")),
+    ("--model", ("llama", "", "glm")), ("--gpu", ("a100", "")), ("--kv-dtype", ("int4", "")),
+    ("--accounting", ("magic", "")),
+]
+SIMULATE = [
+    ("--concurrency", (*ints("2147483648"), ",", "1,,0", "1,-1", "8,4294967296")),  # 2**31: the memory check
+    ("--duration", (*BAD_FLOATS, "1e308", "2147483648")),  # the memory check (series of every step)
+    ("--steps", ints()),
+    ("--seed", ("abc", "1.5", "nan", "-1", "18446744073709551616")),
+    ("--hot-rows", ints("2147483648", "100", "40000")),  # hot rows lie in [top_k, 32,768]
+    ("--kv-hbm-gib", (*BAD_FLOATS, "1e308", "2147483648", "1e8")),  # 1e8 GiB: 31e9 blocks, the memory check
+    ("--mtp", (*BAD_NUMBERS, "-1", "8", *BIG_INTS)),
+    ("--accept-length", (*BAD_FLOATS, "0.5")),
+    ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")),
+]
+BATTERY = {"demo": DEMO, "scenario": SCENARIO, "calc": CALC, "simulate": SIMULATE}
+
+# Whole command lines that must be refused: flags together, missing values, unknown flags, plot paths.
+LINES = [
+    ["demo", "--requests"], ["demo", "--bogus"], ["demo", "extra"], ["demo", "--requests", "2", "--requests"],
+    ["demo", "--layers", "1", "--index-share", "2"],
+    ["calc", "--mtp", "3", "--hot-rows", "4096"], ["calc", "--seq"], ["calc", "--bogus", "1"],
+    ["simulate", "--hot-rows", "4096", "--adaptive-hot-rows"], ["simulate", "--concurrency"],
+    ["scenario", "--seed"], ["scenario", "--json", "x"],
+    [], ["bogus"], ["--bogus"], ["-x", "calc"],
+]
+PLOT_COMMANDS = ("demo", "simulate")
+
+
+def plot_paths(tmp: str) -> list[str]:
+    """Plot targets refused before any run: a missing folder, a folder, unknown or no extension."""
+    return [os.path.join(tmp, "missing", "x.png"), "/nonexistent/x.png", tmp, os.path.join(tmp, "x.gif"),
+            os.path.join(tmp, "x"), os.path.join(tmp, "x.png", "y.png")]
+
+
+def cases() -> list[tuple[str, list[str]]]:
+    return [(cmd, [cmd, flag, value]) for cmd, flags in BATTERY.items() for flag, values in flags for value in values]
+
+
+@pytest.fixture(autouse=True)
+def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing in the battery may start a run; memory is 16 GiB; no CUDA device, whatever the machine has."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the battery started a run")
+
+    monkeypatch.setattr(demo, "run_mode", refuse)
+    monkeypatch.setattr(simulate, "run_points", refuse)
+    monkeypatch.setattr("hisparse.scenario.default_scenario", refuse)
+    monkeypatch.setattr(console, "available_memory", lambda: 16 << 30)
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    status, out, err = run(argv, capsys)
+    assert status == 2, (argv, status, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, (argv, err)
+    assert "Traceback" not in err
+    assert re.match(r"hisparse( [a-z]+)?: error: \S", lines[0]), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("command", "argv"), cases(), ids=lambda v: " ".join(v)[:60] if isinstance(v, list) else v)
+def test_bad_flag_values_are_one_line_and_exit_2(command: str, argv: list[str], capsys) -> None:
+    assert_refused(argv, capsys)
+
+
+@pytest.mark.parametrize("argv", LINES, ids=lambda v: " ".join(v) or "(nothing)")
+def test_bad_command_lines_are_one_line_and_exit_2(argv: list[str], capsys) -> None:
+    assert_refused(argv, capsys)
+
+
+@pytest.mark.parametrize("command", PLOT_COMMANDS)
+def test_plot_into_a_missing_folder_is_refused_before_the_run(command: str, tmp_path, capsys) -> None:
+    for path in plot_paths(str(tmp_path)):
+        line = assert_refused([command, "--plot", path], capsys)
+        assert "--plot" in line
+
+
+def test_battery_size() -> None:
+    """The report quotes these counts; every subcommand is covered."""
+    per_command = {cmd: sum(1 for c, _ in cases() if c == cmd) for cmd in COMMANDS}
+    per_command = {cmd: n + sum(1 for argv in LINES if argv[:1] == [cmd]) for cmd, n in per_command.items()}
+    assert all(n >= 8 for n in per_command.values()), per_command
+
+
+def test_the_issue_cases(capsys) -> None:
+    """hisparse issue 11's command lines, each refused with a message that says what to change."""
+    expect = {
+        ("demo", "--requests", "-1"): "--requests: must lie in [1,",
+        ("demo", "--fit", "nan"): "--fit: must be a finite number",
+        ("demo", "--device", "bogus"): "--device: expected cpu, cuda or cuda:N",
+        ("demo", "--layers", "0"): "--layers: must lie in [1,",
+        ("demo", "--requests", "0"): "--requests: must lie in [1,",
+        ("demo", "--modes", ","): "an empty run",
+        ("calc", "--host-gib", "1e308"): "--host-gib: must lie in [0, 1.07374e+09]",
+        ("simulate", "--concurrency", "2147483648"): "lower --concurrency",
+        ("demo", "--fit", "0.5"): "raise --fit to at least",
+    }
+    for argv, text in expect.items():
+        assert text in assert_refused(list(argv), capsys), argv
+
+
+def test_suggested_fit_is_enough_and_a_little_less_is_not() -> None:
+    """The pool check asks the engine for the fewest blocks; the --fit it suggests passes, just under it fails."""
+    def config(fit: float) -> demo.DemoConfig:
+        return demo.DemoConfig(requests=2, prompt_len=256, new_tokens=8, shared_tokens=128, fit=fit)
+
+    model = demo.TinyDSA(demo.check(config(0.5)))
+    with pytest.raises(ConfigError, match="raise --fit to at least") as exc:
+        demo.check_pools(model, config(0.5), demo.MODES)
+    fit = float(str(exc.value).rsplit(" ", 1)[1])
+    assert fit > 1  # resident and offload keep a request whole; hisparse needs a hot region and a watermark
+    assert demo.check_pools(model, config(fit), demo.MODES) >= config(fit).unlimited_blocks
+    with pytest.raises(ConfigError, match="raise --fit"):
+        demo.check_pools(model, config(fit - 0.1), demo.MODES)
+
+
+def test_a_hisparse_error_from_a_run_is_one_line(monkeypatch, capsys) -> None:
+    """Errors a run raises because of its configuration end in one line and exit 2; a bug (InvariantError) in one
+    line and exit 1."""
+    argv = ["simulate", "--mode", "hisparse", "--policy", "fifo", "--concurrency", "1", "--duration", "1"]
+    for error, status in ((CapacityError("simulation stalled: nothing fits"), 2), (InvariantError("page 3 lost"), 1)):
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(simulate, "run_points", fail)
+        got, out, err = run(argv, capsys)
+        assert got == status and out == "" and len(err.splitlines()) == 1 and str(error) in err
+
+
+def test_simulate_memory_estimate_bounds_what_a_run_allocates() -> None:
+    """20,000 conversations waiting: the estimate bounds the Python allocations of a few steps, and those stay
+    small (every waiting request used to hold its page hashes, ~44 KB each: 880 MB here, 17 GB at a million)."""
+    cfg = simulate.SimConfig(concurrency=20_000, duration_s=30.0, max_steps=3)
+    need, what = simulate.estimate_memory([cfg])
+    assert "20,000" in what
+    sim = simulate.Simulation(cfg)
+    tracemalloc.start()
+    try:
+        sim.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= need and peak < 50e6, (peak, need)
+
+
+def test_plausible_small_demo_runs(monkeypatch, capsys) -> None:
+    """``--requests 2 --prompt-len 64 --new-tokens 4`` used to end in a traceback (a hot region larger than the
+    pool); its hot region is now capped at a whole request, and the run matches unlimited memory."""
+    monkeypatch.undo()
+    status, out, err = run(["demo", "--requests", "2", "--prompt-len", "64", "--new-tokens", "4", "--json",
+                            "--no-progress"], capsys)
+    assert status == 0, err
+    result = json.loads(out)
+    assert result["all_identical"] and set(result["modes"]) == {"unlimited", "resident", "offload", "hisparse"}
+    assert result["config"]["gpu_blocks"] == 21
+
+
+def test_calc_takes_huge_legal_counts(capsys) -> None:
+    """2**31 is a legal count for calc's flags: it computes (with notes), no error and no traceback."""
+    for flag in ("--tp", "--dp", "--seq", "--hot-rows", "--groups", "--retained-pages", "--max-seqs",
+                 "--mla-row-bytes"):
+        status, out, err = run(["calc", flag, "2147483648", "--json"], capsys)
+        assert status == 0 and err == "", (flag, err)
+        assert json.loads(out)["hisparse_total"] >= 0
+
+
+def _subprocess(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hisparse", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv", [  # demo imports torch (3 s here): one is enough
+    ["demo", "--requests", "-1"], ["calc", "--host-gib", "1e308"],
+    ["simulate", "--concurrency", "4294967296"], ["simulate", "--duration", "1e308"],
+    ["simulate", "--plot", "/nonexistent/x.png"],
+], ids=" ".join)
+def test_no_traceback_reaches_stderr(argv: list[str]) -> None:
+    done = _subprocess(*argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stdout == ""
+
+
+def test_calc_loads_neither_torch_nor_the_core() -> None:
+    code = ("import sys; from hisparse.cli import main; assert main(['calc', '--json']) == 0; "
+            "bad = [m for m in ('torch', 'hisparse._core', 'hisparse.datapath') if m in sys.modules]; "
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["hisparse_total"] == 39
+
+
+def test_nothing_imports_the_cli_back() -> None:
+    """No import circle: the CLI imports the tools (lazily); no module of the package imports the CLI."""
+    package = Path(main.__code__.co_filename).parent
+    for path in package.rglob("*.py"):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
+                names.append(node.module or "")
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.split(".")[-1] == "cli" or ".cli." in f".{n}." for n in names), (path, names)
