@@ -7,8 +7,9 @@ the decisions that are policy (package docstring):
 ``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
                       triggers, but a low pool moves a request only if its releasable pages free more blocks
-                      than its hot region costs (``PoolPolicy.worth_transition``). Filling the admission
-                      window still always moves it: pinned pages past the window could outgrow the pool.
+                      than its hot region costs (``PoolPolicy.worth_transition``), and only once the pool
+                      can grant the region without vLLM preempting anyone. Filling the admission window
+                      still always moves it: pinned pages past the window could outgrow the pool.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
                       reuses them: vLLM's is newest first; ``coldest`` is coldest first by reported heat.
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
@@ -81,6 +82,10 @@ class HisparseCoordinator(HiSparseCoordinator):
             if not PoolPolicy.worth_transition(releasable, self.blocks_per_page, self.hot_cost):
                 self.counters["transitions_declined"] += 1
                 return
+            if self.gpu_pool.get_num_free_blocks() < self.hot_cost:
+                # vLLM would have to preempt someone to grant the region: wait for room instead.
+                self.counters["transitions_postponed"] += 1
+                return
         self.counters["transitions"] += 1
         for manager in self.hot_managers:
             manager.require_hot(request_id)
@@ -103,7 +108,10 @@ class HisparseCoordinator(HiSparseCoordinator):
         # window that filled up is released); a hot region comes with a prompt longer than one window or
         # with a prefix hit (whose pages may be on the host only).
         need = pages + min(new_pages, 2 * window) * self.blocks_per_page
-        if new_pages > window or num_computed_tokens:
+        free = self.gpu_pool.get_num_free_blocks()
+        if new_pages > window or num_computed_tokens or free - need < self.transition_watermark:
+            # It will read through a hot region: too long for one window, a prefix hit, or admitted into a
+            # pool that is then low enough to move it at once.
             need += self.hot_cost
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
@@ -111,7 +119,7 @@ class HisparseCoordinator(HiSparseCoordinator):
         # One more hot region, unless every running request already reads through its own.
         spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) for rid in running) else 0
         reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
-        if self.gpu_pool.get_num_free_blocks() - need >= reserve:
+        if free - need >= reserve:
             return True
         self.counters["admissions_deferred"] += 1
         self._deferred = True
