@@ -98,16 +98,22 @@ def test_scenario3_prefix_hits_on_gpu_and_on_host_only_prefixes():
 
 
 def test_scenario4_preemption_resume_and_block_recycling():
-    """A tight pool and a stream of requests: vLLM preempts and resumes, and blocks are recycled across many
-    finished requests; every row read is still the one written."""
-    setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=8192, host_pool_gib=40)
-    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
+    """A tight pool and a stream of requests: vLLM preempts and resumes (with ``policy: fifo``, vLLM's own
+    decisions, it must), and blocks are recycled across many finished requests; every row read is still the
+    one written. ``coldest`` runs the same stream with no more preemptions."""
     jobs = [H.Job(f"r{i}", H.prompt(i, 5000 + 97 * i), 24, arrival=3 * i) for i in range(16)]
-    stats = H.run(setup, worker, jobs)
-    pool = setup.scheduler.kv_cache_manager.block_pool
-    assert stats.preemptions > 0
-    assert 16 * (5000 // H.BLOCK) * 7 > setup.kv_cache_config.num_blocks  # the blocks were used over and over
-    assert pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1  # everything came back
+    preemptions = {}
+    for policy in ("fifo", "coldest"):
+        setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=8192, host_pool_gib=40,
+                        extra={"policy": policy})
+        stats = H.run(setup, H.FakeWorker(setup, layers=GROUP_LAYERS), jobs)
+        pool = setup.scheduler.kv_cache_manager.block_pool
+        assert 16 * (5000 // H.BLOCK) * 7 > setup.kv_cache_config.num_blocks  # blocks were used over and over
+        assert pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1  # everything came back
+        assert stats.rows_from_host > 0
+        preemptions[policy] = stats.preemptions
+    assert preemptions["fifo"] > 0
+    assert preemptions["coldest"] <= preemptions["fifo"]
 
 
 def test_scenario5_what_crosses_processes_pickles():
