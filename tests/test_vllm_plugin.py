@@ -19,6 +19,15 @@ def test_only_the_pinned_vllm_is_accepted():
         plugin.check_vllm_version("0.34.0")
 
 
+def test_another_vllm_gets_a_warning_from_the_entry_point_and_a_refusal_from_the_connector(monkeypatch, caplog):
+    vllm = pytest.importorskip("vllm")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    plugin.register()  # vLLM runs this in every process: it must not raise
+    assert "supports vllm==0.33.0 only, found 0.34.0" in caplog.text
+    with pytest.raises(ConfigError, match="found 0.34.0"):
+        plugin.HiSparseConnector  # noqa: B018 - what vLLM's connector factory does
+
+
 def test_entry_point_is_declared():
     from pathlib import Path
 

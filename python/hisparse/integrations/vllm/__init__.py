@@ -11,7 +11,7 @@ HiSparse path on)::
 
 ``kv_connector_extra_config``: ``host_pool_gib`` (vLLM's, required), ``policy`` (``coldest``, the default,
 or ``fifo``: exactly vLLM's decisions). The package also registers a ``vllm.general_plugins`` entry point
-(:func:`register`), loaded in every vLLM process, which checks the vLLM version up front.
+(:func:`register`), loaded in every vLLM process, which warns up front on an unsupported vLLM.
 
 Why this design (and not hisparse allocating blocks itself)
 -----------------------------------------------------------
@@ -54,6 +54,7 @@ any other version is refused with a clear message rather than run with decisions
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import ConfigError
@@ -79,9 +80,14 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: fails fast, in every vLLM process, on an unsupported vLLM.
-    The connector itself is chosen by ``--kv-transfer-config`` (module docstring)."""
-    check_vllm_version()
+    """The ``vllm.general_plugins`` entry point, run in every vLLM process whether or not it uses hisparse:
+    on an unsupported vLLM it logs why hisparse's connector will refuse to load, and leaves vLLM running
+    (vLLM does not catch what a plugin raises). The connector itself is chosen by ``--kv-transfer-config``
+    and refuses to load on any other vLLM (``ConfigError``)."""
+    try:
+        check_vllm_version()
+    except ConfigError as e:
+        logging.getLogger(__name__).warning("%s", e)
 
 
 def __getattr__(name: str) -> Any:
