@@ -8,6 +8,10 @@ fade. The scheduler's :class:`~hisparse._core.PoolPolicy` turns summaries into r
 
 A summary is ``(pages, heat, full)``: ``full`` when the limit cut it short, in which case every candidate page
 it does not list was at least as hot as the hottest it lists.
+
+This is the coldest half of ``DataPath.heat_summary``'s ranking, over tensors the caller hands in: vLLM's
+worker keeps vLLM's tables, not a ``DataPath``. It should become that one ranking (and its encoding) once the
+GPU worker counts heat; today only the CPU harness calls it.
 """
 
 from __future__ import annotations
