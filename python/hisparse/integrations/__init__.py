@@ -1,2 +1,3 @@
-"""Adapters from inference engines onto :mod:`hisparse.hooks`. ``hisparse.integrations.vllm``: vLLM 0.33's
-KV-connector API; it imports without vLLM installed."""
+"""Integrations with inference engines. ``hisparse.integrations.vllm``: the vLLM 0.33.0 plugin (a
+``HiSparseConnector`` that backs vLLM's own HiSparse path with hisparse's policy); it imports vLLM only when
+vLLM asks for the connector."""

@@ -4,6 +4,7 @@
 //! - [`block_pool`], [`host_pool`]: the GPU and pinned-host block pools.
 //! - [`page`]: the page state machine and derived request residency.
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
+//! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`reference`]: the CPU specification of every kernel in `cuda/` (see `cuda/SPEC.md`).
 //! - [`worker`]: applying a step plan to a worker's state, slab and host pool.
@@ -19,6 +20,7 @@ mod index_list;
 pub mod manager;
 pub mod page;
 pub mod plan;
+pub mod pool_policy;
 pub mod reference;
 pub mod worker;
 

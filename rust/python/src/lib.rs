@@ -8,6 +8,7 @@ mod args;
 mod errors;
 mod manager;
 mod plan;
+mod pool_policy;
 mod reference;
 
 use pyo3::prelude::*;
@@ -58,6 +59,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ResidencyManager>()?;
     m.add_class::<plan::StepPlan>()?;
     m.add_class::<manager::Admission>()?;
+    m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

@@ -1,0 +1,44 @@
+"""Issue 8's scenario 2 as numbers: vLLM 0.33.0 alone, with its native HiSparse, and with hisparse.
+
+16 requests of 32,000 tokens (64 generated each), DeepSeek-V3.2 shapes, a KV pool that holds 4 of them fully
+resident; the CPU harness of ``tests/vllm_harness.py`` checks every top-K row read on one layer of each of
+vLLM's six resident groups. Prints one JSON line per mode: vLLM's running-requests gauge while requests wait
+(mean) and at most, preemptions, rows checked and rows read from the host pool.
+
+    .venv/bin/python benches/vllm_pressure.py [--modes plain native hisparse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import vllm_harness as H  # noqa: E402
+
+GROUP_LAYERS = [0, 12, 24, 36, 48, 60]
+
+
+def run(mode: str) -> dict:
+    jobs = [H.Job(f"r{i}", H.prompt(i, 32000), 64) for i in range(16)]
+    setup = H.build(mode=mode, gpu_gib=6.1, max_model_len=32768, host_pool_gib=24)
+    stats = H.run(setup, H.FakeWorker(setup, layers=GROUP_LAYERS), jobs)
+    return {"mode": mode, "running_while_waiting": round(statistics.mean(stats.pressure_samples), 2),
+            "max_running": stats.max_running, "preemptions": stats.preemptions, "steps": stats.steps,
+            "rows_checked": stats.rows_checked, "indexer_rows_checked": stats.indexer_rows_checked,
+            "rows_from_host": stats.rows_from_host}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["plain", "native", "hisparse"])
+    for mode in ap.parse_args().modes:
+        print(json.dumps(run(mode)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse: same trace, same run.
+
+For N = 32 and 128 requests of 64K-token prompts, each mode runs vLLM's real ``Scheduler`` (the CPU harness
+of ``tests/vllm_harness.py``, bookkeeping only: no KV data) in a pool that holds a third of them fully
+resident, until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode
+steps. Prints one JSON line: per N and mode, the median step in microseconds and the mean number of running
+requests while timed.
+
+    .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import vllm_harness as H  # noqa: E402
+
+CONTEXT = 65536
+
+
+class Engine:
+    """One vLLM scheduler (``mode``) with N requests of 64K tokens and a bookkeeping-only fake worker."""
+
+    def __init__(self, mode: str, n: int):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        # A GPU pool that holds a third of the requests fully resident (the rest must read through hot
+        # regions), and a host pool that holds them all (2.6 GiB of 656-byte rows per 64K request).
+        page_bytes = 7 * 515328  # one block per resident group (6) and the indexer, DeepSeek-V3.2
+        gpu_gib = n / 3 * (CONTEXT // H.BLOCK + 2) * page_bytes / 2**30
+        self.setup = H.build(mode=mode, gpu_gib=gpu_gib, max_model_len=CONTEXT + 1024, max_num_seqs=n,
+                             max_num_batched_tokens=65536, host_pool_gib=n * 2.7 + 4)
+        self.worker = H.FakeWorker(self.setup, data=False)
+        self.sched = self.setup.scheduler
+        for i in range(n):
+            params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+            self.sched.add_request(Request(f"r{i}", H.prompt(i, CONTEXT), params, None,
+                                           block_hasher=self.setup.block_hasher))
+        self.times: list[float] = []
+        self.running: list[int] = []
+        self.most = self.settled = 0
+
+    def step(self, timed: bool) -> None:
+        t0 = time.perf_counter()
+        so = self.sched.schedule()
+        t1 = time.perf_counter()
+        out = self.worker.execute(so)
+        t2 = time.perf_counter()
+        self.sched.update_from_output(so, out)
+        t3 = time.perf_counter()
+        now = len(so.num_scheduled_tokens)
+        self.settled = self.settled + 1 if now <= self.most else 0
+        self.most = max(self.most, now)
+        if timed and now and all(v == 1 for v in so.num_scheduled_tokens.values()):
+            self.times.append((t1 - t0) + (t3 - t2))
+            self.running.append(now)
+
+    @property
+    def ready(self) -> bool:
+        """Admissions have stopped growing the batch for 20 steps."""
+        return self.settled > 20
+
+
+def measure(n: int, steps: int) -> dict:
+    """Both engines in one process, stepped alternately on the same trace, so that noise hits both alike."""
+    engines = {mode: Engine(mode, n) for mode in ("native", "hisparse")}
+    for _ in range(40 * n):
+        if all(e.ready for e in engines.values()):
+            break
+        for e in engines.values():
+            e.step(timed=False)
+    for _ in range(steps):
+        for e in engines.values():
+            e.step(timed=True)
+    return {mode: {"median_us": round(statistics.median(e.times) * 1e6, 1),
+                   "mean_running": round(statistics.mean(e.running), 1), "steps": len(e.times)}
+            for mode, e in engines.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
+    args = ap.parse_args()
+    result = {"context": CONTEXT}
+    for n in args.n:
+        result[f"n{n}"] = measure(n, args.steps)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""hisparse's residency policy as vLLM 0.33's ``HiSparseCoordinator`` (scheduler process).
+
+vLLM's coordinator keeps the bookkeeping we keep too (pages dirty -> clean -> unpinned -> lost when the pool
+reuses the block, publication of host prefixes, adoption of GPU copies, spills and imports). We override
+the decisions that are policy (package docstring):
+
+``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
+                      low (or the request fills its admission window). Here, under ``coldest``: the same
+                      triggers, but a low pool moves a request only if its releasable pages free more blocks
+                      than its hot region costs (``PoolPolicy.worth_transition``), and only once the pool
+                      can grant the region without vLLM preempting anyone. Filling the admission window
+                      still always moves it: pinned pages past the window could outgrow the pool.
+``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
+                      reuses them: vLLM's is newest first; ``coldest`` is coldest first by reported heat.
+``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
+                      (an answer of None makes vLLM leave the request waiting this step): a new request is
+                      admitted only while the pool keeps, after its peak need (every indexer page, two
+                      admission windows of resident pages, its hot region), the hot regions owed to requests
+                      already asked to transition, one more hot region while a running request has none,
+                      and a page of growth for every running request. vLLM admits against unpinned pages
+                      as if they were free, then preempts running requests when their hot regions and
+                      tail pages do not fit. A deferred admission counts as a low pool for this step's
+                      transitions, so requests worth moving free room for the waiting one.
+``report_heat``       (new) a heat summary from the workers: released pages that are still selected move to
+                      the back of the free queue (``touch`` + ``unpin_blocks``), coldest first, hottest last.
+
+``fifo`` overrides nothing: every decision is vLLM's, which is what the parity test checks step by step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
+
+from ..._core import PoolPolicy
+from ...errors import ConfigError
+from .heat import Summary
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+POLICIES = ("coldest", "fifo")
+
+
+class HisparseCoordinator(HiSparseCoordinator):
+    """``HiSparseCoordinator`` with hisparse's policy (module docstring)."""
+
+    def __init__(self, *args, policy: str = "coldest", **kwargs) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, not {policy!r}")
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+        self.order = PoolPolicy()
+        self.blocks_per_page = len(self.resident_managers)
+        self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
+        self.counters: Counter[str] = Counter()
+        # Set when an admission was deferred during this schedule(); read by this step's transitions.
+        self._deferred = False
+
+    # ------------------------------------------------------------------ when to take a hot region
+
+    def update_residency(self, request_id: str) -> None:
+        if self.policy == "fifo" or not self.resident_managers:
+            return super().update_residency(request_id)
+        state = self._get_request_state(request_id)
+        if state.pages_to_adopt:
+            host_blocks = self.host_manager.req_to_blocks.get(request_id, ())
+            self._adopt_copies(request_id, state, host_blocks[: state.pages_to_adopt])
+            state.pages_to_adopt = 0
+        if self._can_read_from_host(request_id):
+            self._unpin_clean_pages(request_id, state)
+            return
+        fills_window = self._fills_admission_window(request_id)
+        if not fills_window:
+            if self.gpu_pool.get_num_free_blocks() >= self.transition_watermark and not self._deferred:
+                return
+            pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
+            releasable = max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages))
+            if not PoolPolicy.worth_transition(releasable, self.blocks_per_page, self.hot_cost):
+                self.counters["transitions_declined"] += 1
+                return
+            if self.gpu_pool.get_num_free_blocks() < self.hot_cost:
+                # vLLM would have to preempt someone to grant the region: wait for room instead.
+                self.counters["transitions_postponed"] += 1
+                return
+        self.counters["transitions"] += 1
+        for manager in self.hot_managers:
+            manager.require_hot(request_id)
+
+    # ------------------------------------------------------------------ admission headroom
+
+    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int) -> bool:
+        """Whether a waiting request of ``num_tokens``, ``num_computed_tokens`` of them a prefix hit, may start
+        now, its prompt being scheduled ``admission_tokens`` at a time (module docstring). ``fifo`` always says
+        yes, as vLLM does; so does an engine with no request holding blocks (which could never make room)."""
+        num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
+        if self.policy == "fifo" or num_running == 0:
+            return True
+        block_size = self.resident_managers[0].block_size
+        pages = -(-num_tokens // block_size)
+        new_pages = pages - num_computed_tokens // block_size
+        window = -(-admission_tokens // block_size)
+        # Counted as if nothing of the prefix were on the GPU: the indexer keeps every page; the resident
+        # groups peak at two admission windows (the next chunk is allocated, with the hot region, before the
+        # window that filled up is released); a hot region comes with a prompt longer than one window or
+        # with a prefix hit (whose pages may be on the host only).
+        need = pages + min(new_pages, 2 * window) * self.blocks_per_page
+        free = self.gpu_pool.get_num_free_blocks()
+        if new_pages > window or num_computed_tokens or free - need < self.transition_watermark:
+            # It will read through a hot region: too long for one window, a prefix hit, or admitted into a
+            # pool that is then low enough to move it at once.
+            need += self.hot_cost
+        owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
+                   for rid in manager.hot_required)
+        running = self.resident_managers[0].req_to_blocks
+        # One more hot region, unless every running request already reads through its own.
+        spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) for rid in running) else 0
+        reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
+        if free - need >= reserve:
+            return True
+        self.counters["admissions_deferred"] += 1
+        self._deferred = True
+        return False
+
+    def advance_scheduled(self, requests) -> None:
+        super().advance_scheduled(requests)
+        self._deferred = False
+
+    # ------------------------------------------------------------------ release (= reuse) order
+
+    def _unpin_clean_pages(self, request_id, state) -> None:
+        if self.policy == "fifo":
+            return super()._unpin_clean_pages(request_id, state)
+        if not state.pinned_clean:
+            return
+        for page_idx in self.order.release_order(request_id, list(state.pinned_clean)):
+            if self._unpin_page(request_id, state, page_idx):
+                self.counters["released"] += 1
+
+    def report_heat(self, summaries: dict[str, Summary]) -> None:
+        """A heat summary per request (``heat.py``): remember it, and move released pages that are still
+        selected to the back of the free queue, coldest first."""
+        if self.policy == "fifo":
+            return
+        for request_id, (pages, heat, full) in summaries.items():
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue
+            self.order.report(request_id, list(pages), list(heat), full)
+            for page_idx in self.order.refresh_order(request_id, list(state.unpinned_pages)):
+                self._refresh(request_id, page_idx)
+
+    def _refresh(self, request_id: str, page_idx: int) -> None:
+        blocks = [manager.get_resident_page(request_id, page_idx) for manager in self.resident_managers]
+        if any(block is None or block.is_null for block in blocks):
+            return  # lost already
+        for manager, block in zip(self.resident_managers, blocks, strict=True):
+            # touch takes the block out of the free queue, unpin_blocks puts it back at the tail.
+            manager.block_pool.touch([block])
+            manager.block_pool.unpin_blocks([block], self._on_block_reused)
+        self.counters["refreshed"] += 1
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.order.forget(request_id)
+
+
+def build_coordinator(kv_cache_manager: KVCacheManager, policy: str) -> HisparseCoordinator:
+    """What ``get_hisparse_coordinator`` (``v1/hisparse/coordinator.py:900``) builds, with our class."""
+    managers = tuple(kv_cache_manager.coordinator.single_type_managers)
+    for manager in managers:
+        existing = getattr(manager, "coordinator", None)
+        if existing is not None:
+            if not isinstance(existing, HisparseCoordinator):
+                raise ConfigError("vLLM's own HiSparse coordinator is already bound to this KV cache manager")
+            return existing
+    coordinator = HisparseCoordinator(
+        kv_cache_manager.kv_cache_config,
+        managers,
+        kv_cache_manager.max_model_len,
+        num_reprefillable_tokens=kv_cache_manager.coordinator.num_reprefillable_tokens,
+        policy=policy,
+    )
+    if coordinator.host_manager is None:
+        raise ConfigError("no HiSparse cache group is configured: is the model a DSA model with index_topk?")
+    return coordinator
