@@ -271,11 +271,17 @@ class HeatSummaryInFlight:
         device = tensors[0].device
         pin = device.type == "cuda"
         out._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
-        for host, t in zip(out._host, tensors, strict=True):
-            host.copy_(t, non_blocking=pin)
-        if pin:
-            out._event = torch.cuda.Event()
-            out._event.record()
+        if not pin:
+            for host, t in zip(out._host, tensors, strict=True):
+                host.copy_(t)
+        else:
+            # On the tensors' device (the current device may be another): the copies and their event on its
+            # current stream, after the ranking.
+            with torch.cuda.device(device):
+                for host, t in zip(out._host, tensors, strict=True):
+                    host.copy_(t, non_blocking=True)
+                out._event = torch.cuda.Event()
+                out._event.record(torch.cuda.current_stream(device))
         out._shape = shape
         return out
 
