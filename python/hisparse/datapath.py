@@ -486,7 +486,7 @@ class DataPath:
 
         On CPU one Rust call does it all and the copies are done when it returns (returns None). On CUDA the
         plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
-        page copies run as DMA on a side stream (``kernels.transfer.PageMover``): restores land before the next
+        page copies run as DMA on two side streams, one per direction (``kernels.transfer.PageMover``): restores land before the next
         forward, and the returned event (None without page copies) passes once the copies to the host are
         durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
         plan from a manager sized differently is refused before anything is written.
@@ -577,7 +577,7 @@ class DataPath:
         return None
 
     def _page_mover(self):
-        """The side stream's page mover of this slab and pool (built again if either was replaced)."""
+        """The page mover (side streams) of this slab and pool (built again if either was replaced)."""
         from .kernels.transfer import PageMover
 
         key = (self.gpu, self.host)
