@@ -486,9 +486,9 @@ class DataPath:
 
         On CPU one Rust call does it all and the copies are done when it returns (returns None). On CUDA the
         plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
-        page copies run as DMA on two side streams, one per direction (``kernels.transfer.PageMover``): restores land before the next
-        forward, and the returned event (None without page copies) passes once the copies to the host are
-        durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
+        page copies run as DMA on two side streams, one per direction (``kernels.transfer.PageMover``):
+        restores land before the next forward, and the returned event (None without page copies) passes once
+        the copies to the host are durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
         plan from a manager sized differently is refused before anything is written.
         """
         if not isinstance(plan, _core.StepPlan):
