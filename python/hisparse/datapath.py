@@ -488,8 +488,8 @@ class DataPath:
         plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
         page copies run as DMA on two side streams, one per direction (``kernels.transfer.PageMover``):
         restores land before the next forward, and the returned event (None without page copies) passes once
-        the copies to the host are durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
-        plan from a manager sized differently is refused before anything is written.
+        the copies to the host are durable. Nothing waits for the device. Either way every entry is checked
+        against the layout first: a plan from a manager sized differently is refused before anything is written.
         """
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
