@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of a session lent a device (one run, under 9 minutes): installs the carried abi3 wheel, checks that
+# The GPU check of a session lent a device (one run, under 7 minutes): installs the carried abi3 wheel, checks that
 # it holds this tree's kernels and Python package, prints the kernels' register and shared-memory report, runs the
 # GPU tests (every CPU-harness case kind on the device, bit-exact against the CPU reference; the public launchers;
 # graph capture and replay; the page mover's DMA streams; the worker hooks with no host-device synchronization,
@@ -10,7 +10,7 @@
 # Here, before the run (the wheel must be built from the tree as it is now: the check refuses a stale one):
 #   echo /.whl/ >> .git/info/exclude
 #   rm -rf .whl && maturin build --release -o .whl   # hisparse-*-abi3-*.whl serves the device's Python 3.10+
-# Then the device tool: run(command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# Then the device tool: run(command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -22,7 +22,8 @@ if [ ${#wheels[@]} -ne 1 ] || [ ! -f "${wheels[0]}" ]; then
   exit 2
 fi
 SITE=$(mktemp -d)  # fresh: pip --target does not replace a package a warm machine kept from an earlier run
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[0]}" || exit 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[0]}" \
+  || python3 -m zipfile -e "${wheels[0]}" "$SITE" || exit 2  # unpacking is the same install where pip rejects the tag
 export PYTHONPATH=$SITE
 failed=()
 
@@ -53,7 +54,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 timeout 90 python3 benches/kernel_report.py > "$OUT/kernels.json"
 rc=$?; echo "kernels: rc=$rc"; [ $rc -eq 0 ] || failed+=(kernel_report)
 
-timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)  # one hung test must not eat the lease
+# Workers in their own processes: a kernel fault ends its worker (tests/conftest.py), not the tests after it.
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 200 python3 -m pytest -q -m gpu -rs -p no:cacheprovider $per_test $workers --junitxml="$OUT/pytest_gpu.xml" \
   tests/test_kernels_gpu.py tests/test_kernels_transfer.py tests/test_hooks_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
 rc=${PIPESTATUS[0]}; echo "pytest: rc=$rc"; [ $rc -eq 0 ] || failed+=(pytest)
 python3 - "$OUT/pytest_gpu.xml" <<'EOF'
@@ -72,10 +76,12 @@ if n["skipped"] or not n["tests"]:
 EOF
 [ $? -eq 0 ] || failed+=(gpu_tests_skipped)
 
-timeout 170 python3 benches/kernel_bench.py --budget 130 > "$OUT/kernel_bench.json" 2> "$OUT/kernel_bench.log"
-rc=$?; echo "bench: rc=$rc"; [ $rc -eq 0 ] || failed+=(kernel_bench)
-python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['targets'], indent=1))" \
-  "$OUT/kernel_bench.json" || failed+=(kernel_bench_report)
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then  # GPU_CHECK_BENCH=0: the tests alone, while fixing what they find
+  timeout 110 python3 benches/kernel_bench.py --budget 60 > "$OUT/kernel_bench.json" 2> "$OUT/kernel_bench.log"
+  rc=$?; echo "bench: rc=$rc"; [ $rc -eq 0 ] || failed+=(kernel_bench)
+  python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['targets'], indent=1))" \
+    "$OUT/kernel_bench.json" || failed+=(kernel_bench_report)
+fi
 
 if [ ${#failed[@]} -ne 0 ]; then
   echo "gpu_check FAILED: ${failed[*]}" >&2

@@ -212,7 +212,7 @@ def test_resolve_rejects_bad_inputs():
     ]
     for key, value, message in bad:
         with pytest.raises(InvalidArgumentError, match=message):  # what the CPU reference raises
-            ops.resolve(group=0, **{**case, key: value})
+            ops.resolve(**{"group": 0, **case, key: value})
 
 
 @pytest.mark.gpu

@@ -65,11 +65,20 @@ def test_layers_must_pair_up():
 
 def gpu_layers_like(kind: str, cpu: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
     """``cpu``'s layers on the device (or pinned), laid out as ``kind`` says: views of one [L, rows, rb] tensor, as
-    DataPath allocates them (one 2D copy spans every layer), or separate tensors (a copy per layer)."""
-    move = (lambda t: t.pin_memory()) if pinned else (lambda t: t.cuda())
+    DataPath allocates them (one 2D copy spans every layer), or layers at uneven distances (a copy per layer).
+    Separately allocated tensors are not enough for the latter: torch's allocator often spaces them evenly."""
     if kind == "one":
-        return list(move(torch.stack(cpu)))
-    return [move(t.clone()) for t in cpu]
+        stacked = torch.stack(cpu)
+        return list(stacked.pin_memory() if pinned else stacked.cuda())
+    gaps = [256 * (i + 1) for i in range(len(cpu))]
+    arena = torch.empty(sum(t.numel() for t in cpu) + sum(gaps), dtype=torch.uint8,
+                        **(dict(pin_memory=True) if pinned else dict(device="cuda")))
+    out, at = [], 0
+    for t, gap in zip(cpu, gaps, strict=True):
+        at += gap
+        out.append(arena[at:at + t.numel()].view(t.shape).copy_(t))
+        at += t.numel()
+    return out
 
 
 @pytest.mark.gpu

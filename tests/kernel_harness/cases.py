@@ -251,9 +251,15 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         dev = ops._device(index)
         self.sm_count, self.max_smem = dev.sm_count, dev.max_smem
+        # Launch records hold raw addresses (a layer table's, say): the tensors behind them must outlive the
+        # launch, or torch's caching allocator hands their memory to the next tensor, as the CPU harness's
+        # guarded buffers are kept until free().
+        self._held: list[torch.Tensor] = []
 
     def tensor(self, like: torch.Tensor, host: bool = False) -> torch.Tensor:
-        return like.clone().pin_memory() if host else like.to(self.device)
+        t = like.clone().pin_memory() if host else like.to(self.device)
+        self._held.append(t)
+        return t
 
     def run(self, launches, seed: int, preempt: float) -> None:
         ops._run(self.device.index, launches)
@@ -263,7 +269,7 @@ class CudaBackend:
         return 0  # no guard zones on the device; every byte of every tensor is compared instead
 
     def free(self) -> None:
-        pass
+        self._held.clear()
 
 
 def _differ(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
