@@ -479,17 +479,19 @@ RESOLVE_KINDS: dict[str, dict] = {
     "hits_without_host": {"hits_without_host": 0, "H": 256, "hot_fill": 0.6, "resident": 0.2, "G": 1},
     "block_size_1": {"bs": 1, "P": 600, "H": 100},
     "decode_shape": {"S": 3, "R": 3, "P": 256, "bs": 64, "H": 4096, "K": 2048, "rb": 16, "L": 1, "G": 1},
-    # more distinct positions than the hash table takes (3/4 of 4096): windowed first occurrences
+    # more distinct positions than the hash table takes (3/4 of its smallest size, 4096 entries, which a GPU
+    # short of shared memory leaves): windowed first occurrences
     "wide_union": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "resident": 0.95, "dup": 0.0,
-                   "full_seq": True, "L": 1, "rb": 16},
+                   "full_seq": True, "L": 1, "rb": 16, "table": launch.MIN_TABLE},
     "wide_union_overflow": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "dup": 0.0, "full_seq": True,
-                            "L": 1, "rb": 16},
+                            "L": 1, "rb": 16, "table": launch.MIN_TABLE},
     # more selected elements than the hash table takes, but few enough distinct positions: counted inserts
     "wide_selection_overlapping": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.3, "dup": 0.6,
-                                   "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1},
+                                   "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1,
+                                   "table": launch.MIN_TABLE},
     # ... and a U too large for the hash table that fits the hot region: windowed lookups of U as well
     "wide_u": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.0, "dup": 0.0, "full_seq": True,
-               "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1},
+               "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1, "table": launch.MIN_TABLE},
 }
 # Kinds resolved with a table sized for several rows per request (and, last, one clamped by a 99 KB GPU).
 ROWS_PER_REQUEST = {"speculative": 2, "speculative_overflow": 3}
@@ -501,15 +503,25 @@ SIZED = {
 }
 
 
+def table_smem(entries: int, case: dict) -> int:
+    """The shared memory (bytes per CTA) that leaves resolve's table exactly ``entries`` entries for ``case``."""
+    R, H = case["topk"].shape[0], case["hot_pos"].shape[2]
+    return launch.STATIC_SHARED["hisparse_resolve"] + 8 * entries + 4 * R + 4 * math.ceil(H / 32)
+
+
 def _resolve_kind(params: dict, rows_per_request: int = 1, max_smem: int = SMEM_SM90, corruptions: int = 0):
+    params = dict(params)
+    table = params.pop("table", None)  # entries of resolve's table; else what max_smem leaves it
+
     def run(h: Harness, seed: int, preempt: float) -> None:
         rng = random.Random(seed)
         case = make_case(seed, **params)
+        smem = max_smem if table is None else table_smem(table, case)
         group = 0 if params.get("from_hot") or "hits_without_host" in params else seed % case["hot_pos"].shape[1]
         for _ in range(corruptions):
             corrupt(case, rng.choice(CORRUPTIONS), rng, group)
         run_resolve(h, case, group=group, seed=seed, preempt=preempt, rows_per_request=rows_per_request,
-                    max_smem=max_smem)
+                    max_smem=smem)
 
     return run
 
