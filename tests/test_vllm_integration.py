@@ -45,7 +45,7 @@ def test_connector_is_ours_and_switches_vllms_hisparse_path_on():
 def test_scenario1_every_layer_reads_what_was_written(async_scheduling):
     """61 sparse-MLA layers plus indexer caches, DeepSeek-V3.2 shapes, a pool small enough that requests
     read through their hot regions."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=async_scheduling,
+    setup = H.build(mode="hisparse", gpu_gib=0.9, max_model_len=8192, async_scheduling=async_scheduling,
                     host_pool_gib=20)
     assert type(setup.scheduler).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
     worker = H.FakeWorker(setup)
@@ -119,12 +119,14 @@ def test_scenario4_preemption_resume_and_block_recycling():
 def test_scenario5_what_crosses_processes_pickles():
     """TP = 2: every scheduler output and every worker output crosses a pickle, and the workers' metadata
     is combined with vLLM's ``aggregate`` (the harness does both); the metadata types are vLLM's."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=True, host_pool_gib=20)
-    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, tp=2, record=True, heat_interval=2)
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=True, host_pool_gib=20,
+                    extra={"heat_interval": 2})
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, tp=2, record=True)
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 12) for i in range(3)])
     from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
+    from hisparse.integrations.vllm.heat import HeatReport
 
-    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat={"r0": ((3, 1), (0, 2), False)})
+    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat=HeatReport(b"HSHT", ("r0",)))
     both = meta.aggregate(pickle.loads(pickle.dumps(meta)))
     assert both.enqueued_transfer_counts == {1: 2} and both.heat == meta.heat
     assert setup.scheduler.connector.coordinator.counters["refreshed"] > 0, "heat was reported and acted on"
@@ -155,8 +157,10 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
 def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_free_queue():
     """Release order is reuse order: right after a heat summary, every released page that the resolver
     selected sits behind every released page it did not select, in vLLM's free queue (reused last)."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20)
-    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, heat_interval=4)
+    from hisparse import _core
+
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra={"heat_interval": 4})
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
     coord = setup.scheduler.connector.coordinator
     pool = coord.gpu_pool
     summaries = {}
@@ -164,7 +168,8 @@ def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_fr
 
     def record(heat):
         summaries.clear()
-        summaries.update(heat)
+        for index, cold, hot in _core.decode_heat_summary(heat.summary):
+            summaries[heat.request_ids[index]] = dict((page, h) for h, page in [*cold, *hot])
         report(heat)
 
     coord.report_heat = record
@@ -174,7 +179,7 @@ def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_fr
         if not summaries:
             return
         position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
-        for rid, (pages, heat, _) in summaries.items():
+        for rid, listed in summaries.items():
             state = coord.request_states.get(rid)
             if state is None:
                 continue
@@ -183,7 +188,6 @@ def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_fr
                 block = coord.resident_managers[0].get_resident_page(rid, page)
                 if block is not None and block.block_id in position:
                     where[page] = position[block.block_id]
-            listed = dict(zip(pages, heat, strict=True))
             hot = [where[p] for p in where if listed.get(p, 0) > 0]
             cold = [where[p] for p in where if p in listed and listed[p] == 0]
             if hot and cold:

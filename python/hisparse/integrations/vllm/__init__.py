@@ -10,7 +10,9 @@ HiSparse path on)::
                                "kv_connector_extra_config": {"host_pool_gib": 384, "policy": "coldest"}}'
 
 ``kv_connector_extra_config``: ``host_pool_gib`` (vLLM's, required), ``policy`` (``coldest``, the default,
-or ``fifo``: exactly vLLM's decisions). The package also registers a ``vllm.general_plugins`` entry point
+or ``fifo``: exactly vLLM's decisions), and for ``coldest`` the heat counting's ``heat_interval`` (steps
+between summaries, 32), ``heat_coldest`` / ``heat_hottest`` (pages ranked per request, 128 / 32) and
+``heat_layer_stride`` (count in every n-th index group, 8). The package also registers a ``vllm.general_plugins`` entry point
 (:func:`register`), loaded in every vLLM process, which warns up front on an unsupported vLLM.
 
 Why this design (and not hisparse allocating blocks itself)
@@ -39,10 +41,13 @@ host-only prefixes, preemption, MTP lookahead, TP > 1 (the metadata is vLLM's da
 field; the Rust state stays in the engine-core process), refusals (an allocation that cannot be backed is
 ``allocate_slots`` returning None: vLLM waits or preempts; nothing raises out of ``schedule()``).
 
-Heat comes from the workers in :class:`~hisparse.integrations.vllm.connector.HisparseWorkerMetadata`
-(summaries made by :func:`~hisparse.integrations.vllm.heat.summarize_heat`). vLLM's GPU resolver does not
-count selections, and counting them on the GPU worker is not done yet: on a GPU, ``coldest`` runs without
-heat (vLLM's release order), with the transition test and admission headroom above.
+Heat is counted in the workers, on the device, from vLLM's own resolver path: the connector's worker role
+makes vLLM's index-group leader runtimes count the top-K they resolve (inside the forward vLLM captures in
+CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path's ranking, and sends the
+core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
+``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does. The
+counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
+its GPU check.
 
 What does not survive: one hot region shared by every index group. vLLM's layout gives each group of up to
 12 layers its own hot blocks (``v1/hisparse/layout.py``); re-packing means changing that layout, the spec

@@ -3,11 +3,19 @@
 The class keeps vLLM's name on purpose: vLLM switches its HiSparse path (layout, spec managers, worker
 binding, hot-buffer attention) on by that name (``config/vllm.py:1876``), and ``kv_connector_module_path``
 makes the factory load this class instead of vLLM's (``kv_connector/factory.py:106``).
+
+Scheduler role: :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator` replaces vLLM's
+coordinator. Worker role (``policy: coldest``): a :class:`~hisparse.integrations.vllm.heat.SelectionHeat`
+counts what the resolver selects. vLLM resolves each index group's top-K once, in its leader runtime's
+``HiSparseRuntime._resolve_residency`` (``runtime.py``, on the group's copy stream, inside the forward that
+vLLM captures in CUDA graphs); the counted leaders become :class:`_CountingRuntime`, which runs vLLM's
+resolve and then counts the same top-K, so the count is captured with it. The summaries ride back in
+:class:`HisparseWorkerMetadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
@@ -16,42 +24,98 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnectorWorkerMetadata,
 )
+from vllm.v1.hisparse.runtime import HiSparseRuntime
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
 
-from ...errors import ConfigError
+from ...errors import ConfigError, InvalidArgumentError
 from .coordinator import POLICIES, build_coordinator
-from .heat import Summary
+from .heat import HeatReport, SelectionHeat, check_heat_options
+
+#: ``kv_connector_extra_config`` keys of the heat counting (``SelectionHeat``'s arguments) and defaults.
+HEAT_OPTIONS = {"heat_interval": 32, "heat_coldest": 128, "heat_hottest": 32, "heat_layer_stride": 8}
 
 
 @dataclass
 class HisparseWorkerMetadata(HiSparseConnectorWorkerMetadata):
-    """vLLM's worker -> scheduler metadata plus heat summaries (request id -> ``heat.Summary``). Plain
-    dataclasses of ints: it pickles across vLLM's multi-process executor."""
+    """vLLM's worker -> scheduler metadata plus a heat summary when one reached the host this step. Bytes,
+    strings and ints: it pickles across vLLM's multi-process executor."""
 
-    heat: dict[str, Summary] = field(default_factory=dict)
+    heat: HeatReport | None = None
 
     def aggregate(self, other: Any) -> HisparseWorkerMetadata:
         merged = super().aggregate(other)
-        # Tensor-parallel ranks resolve the same top-K, so their heat agrees: keep the first one per request.
-        heat = {**getattr(other, "heat", {}), **self.heat}
+        # Tensor-parallel ranks resolve the same top-K, so their heat agrees: keep one.
+        heat = self.heat if self.heat is not None else getattr(other, "heat", None)
         return HisparseWorkerMetadata(merged.enqueued_transfer_counts, merged.completed_transfer_counts,
                                       merged.completed_host_copy_dst_ids, heat)
 
 
-def _policy(vllm_config: Any) -> str:
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    policy = extra.get("policy", "coldest")
+class _CountingRuntime(HiSparseRuntime):
+    """A leader runtime that counts the top-K it has just resolved (module docstring). Only the class of
+    vLLM's runtime object changes; its state is vLLM's."""
+
+    selection_heat: SelectionHeat
+
+    def _resolve_residency(self, **kwargs: Any) -> None:
+        super()._resolve_residency(**kwargs)
+        self.selection_heat.count(kwargs["topk_indices"], kwargs["req_id_per_token"], self.request_state_indices)
+
+
+def count_heat_in_resolver(leader_runtimes: list[Any], heat: SelectionHeat) -> int:
+    """Makes the counted index groups' leader runtimes count into ``heat``; returns how many count."""
+    counted = 0
+    for index, runtime in enumerate(leader_runtimes):
+        if not heat.counted(index):
+            continue
+        if type(runtime) is not HiSparseRuntime and not isinstance(runtime, _CountingRuntime):
+            raise ConfigError(f"cannot count heat in a {type(runtime).__name__}: vLLM's HiSparseRuntime expected")
+        runtime.__class__ = _CountingRuntime
+        runtime.selection_heat = heat
+        counted += 1
+    return counted
+
+
+def _extra(vllm_config: Any) -> dict:
+    return vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+
+
+def policy_option(vllm_config: Any) -> str:
+    policy = _extra(vllm_config).get("policy", "coldest")
     if policy not in POLICIES:
         raise ConfigError(f"kv_connector_extra_config.policy must be one of {POLICIES}, not {policy!r}")
     return policy
 
 
+def heat_options(vllm_config: Any) -> dict[str, int]:
+    """The heat options of ``kv_connector_extra_config`` (``HEAT_OPTIONS``), as ``SelectionHeat`` takes them."""
+    extra = _extra(vllm_config)
+    values = {name: extra.get(name, default) for name, default in HEAT_OPTIONS.items()}
+    options = {"interval": values["heat_interval"], "coldest": values["heat_coldest"],
+               "hottest": values["heat_hottest"], "layer_stride": values["heat_layer_stride"]}
+    try:
+        check_heat_options(**options)
+    except InvalidArgumentError as e:
+        raise ConfigError(f"kv_connector_extra_config: {e}") from None
+    return options
+
+
+def build_selection_heat(residency: Any, block_size: int, vllm_config: Any) -> SelectionHeat:
+    """The worker's heat over vLLM's residency table of one resident group (``[state rows, pages]``)."""
+    return SelectionHeat(residency, block_size, tail_pages=ACTIVE_TAIL_PAGES, **heat_options(vllm_config))
+
+
 class HiSparseConnector(VllmHiSparseConnector):
-    """vLLM's ``HiSparseConnector`` whose scheduler side runs :class:`HisparseCoordinator`."""
+    """vLLM's ``HiSparseConnector`` whose scheduler side runs :class:`HisparseCoordinator` and whose worker
+    side counts selection heat (module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        self.policy = _policy(vllm_config)
+        self.policy = policy_option(vllm_config)
+        heat_options(vllm_config)  # refuse bad options in every role, not only where the worker counts
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.selection_heat: SelectionHeat | None = None
         super().__init__(vllm_config, role, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler role
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         assert self.connector_scheduler is not None, "the scheduler role binds the KV cache manager"
@@ -73,5 +137,34 @@ class HiSparseConnector(VllmHiSparseConnector):
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, HisparseWorkerMetadata) and meta.heat:
+        if isinstance(meta, HisparseWorkerMetadata) and meta.heat is not None:
             self.coordinator.report_heat(meta.heat)
+
+    # ------------------------------------------------------------------ worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.policy != "coldest":
+            return  # fifo makes vLLM's decisions: nothing consumes heat
+        worker = self.connector_worker
+        if worker.residency is None:
+            raise ConfigError("vLLM's HiSparse worker has no residency table: no resident cache group?")
+        self.selection_heat = build_selection_heat(worker.residency[0], worker.kernel_block_size, self._vllm_config)
+        count_heat_in_resolver(list(worker.leader_runtimes), self.selection_heat)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        if self.selection_heat is not None:
+            meta = self._get_connector_metadata()
+            self.selection_heat.begin_step(kwargs.get("request_ids") or (), kwargs.get("request_state_indices"),
+                                           meta.residency_updates)
+
+    def build_connector_worker_meta(self) -> Any:
+        meta = super().build_connector_worker_meta()
+        report = self.selection_heat.end_step() if self.selection_heat is not None else None
+        if report is None:
+            return meta
+        if meta is None:
+            return HisparseWorkerMetadata({}, {}, (), report)
+        return HisparseWorkerMetadata(meta.enqueued_transfer_counts, meta.completed_transfer_counts,
+                                      meta.completed_host_copy_dst_ids, report)

@@ -11,7 +11,8 @@ the decisions that are policy (package docstring):
                       can grant the region without vLLM preempting anyone. Filling the admission window
                       still always moves it: pinned pages past the window could outgrow the pool.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
-                      reuses them: vLLM's is newest first; ``coldest`` is coldest first by reported heat.
+                      reuses them: vLLM's is newest first; ``coldest`` is the core's order from the last
+                      heat summary (its coldest pages, then the unlisted oldest first, then its hottest).
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
                       (an answer of None makes vLLM leave the request waiting this step): a new request is
                       admitted only while the pool keeps, after its peak need (every indexer page, two
@@ -21,14 +22,16 @@ the decisions that are policy (package docstring):
                       as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one.
-``report_heat``       (new) a heat summary from the workers: released pages that are still selected move to
-                      the back of the free queue (``touch`` + ``unpin_blocks``), coldest first, hottest last.
+``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
+                      released pages that are still selected move to the back of the free queue (``touch``
+                      + ``unpin_blocks``) in release order, so the hottest are reused last.
 
 ``fifo`` overrides nothing: every decision is vLLM's, which is what the parity test checks step by step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -36,13 +39,15 @@ from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
 
 from ..._core import PoolPolicy
-from ...errors import ConfigError
-from .heat import Summary
+from ...errors import ConfigError, InvalidArgumentError
+from .heat import HeatReport
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 POLICIES = ("coldest", "fifo")
+
+logger = logging.getLogger(__name__)
 
 
 class HisparseCoordinator(HiSparseCoordinator):
@@ -140,16 +145,23 @@ class HisparseCoordinator(HiSparseCoordinator):
             if self._unpin_page(request_id, state, page_idx):
                 self.counters["released"] += 1
 
-    def report_heat(self, summaries: dict[str, Summary]) -> None:
-        """A heat summary per request (``heat.py``): remember it, and move released pages that are still
-        selected to the back of the free queue, coldest first."""
+    def report_heat(self, report: HeatReport) -> None:
+        """A heat summary from the workers (``heat.py``): remember it, and move released pages that are still
+        selected to the back of the free queue, in release order (the hottest last)."""
         if self.policy == "fifo":
             return
-        for request_id, (pages, heat, full) in summaries.items():
+        try:
+            listed = self.order.report(report.summary, list(report.request_ids))
+        except InvalidArgumentError as e:
+            # Heat only orders releases; a summary the core refuses must not take vLLM's engine down.
+            logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
+            self.counters["heat_refused"] += 1
+            return
+        for request_id in listed:
             state = self.request_states.get(request_id)
-            if state is None:
+            if state is None:  # finished or preempted since the summary was taken
+                self.order.forget(request_id)
                 continue
-            self.order.report(request_id, list(pages), list(heat), full)
             for page_idx in self.order.refresh_order(request_id, list(state.unpinned_pages)):
                 self._refresh(request_id, page_idx)
 
