@@ -126,10 +126,11 @@ def test_scenario5_what_crosses_processes_pickles():
     from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
     from hisparse.integrations.vllm.heat import HeatReport
 
-    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat=HeatReport(b"HSHT", ("r0",)))
+    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat=HeatReport(b"HSHT", ("r0",), 32))
     both = meta.aggregate(pickle.loads(pickle.dumps(meta)))
     assert both.enqueued_transfer_counts == {1: 2} and both.heat == meta.heat
-    assert setup.scheduler.connector.coordinator.counters["refreshed"] > 0, "heat was reported and acted on"
+    counters = setup.scheduler.connector.coordinator.counters
+    assert counters["moved_to_front"] > 0 and counters["moved_to_back"] > 0, "heat was reported and acted on"
 
 
 def test_scenario6_mtp_three_speculative_tokens():
@@ -154,12 +155,15 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
     assert traces[0] == traces[1]
 
 
-def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_free_queue():
-    """Release order is reuse order: right after a heat summary, every released page that the resolver
-    selected sits behind every released page it did not select, in vLLM's free queue (reused last)."""
+def test_coldest_orders_vllms_free_queue_by_heat():
+    """Release order is reuse order: right after a heat summary, a request's released pages that the resolver
+    never selected sit before its other released pages in vLLM's free queue (reused first), and the selected
+    ones it ranks hottest after them (reused last)."""
     from hisparse import _core
 
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra={"heat_interval": 4})
+    # Summaries shorter than a request's ~90 releasable pages, so that some are unlisted (the middle).
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20,
+                    extra={"heat_interval": 4, "heat_coldest": 16, "heat_hottest": 8})
     worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
     coord = setup.scheduler.connector.coordinator
     pool = coord.gpu_pool
@@ -169,31 +173,30 @@ def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_fr
     def record(heat):
         summaries.clear()
         for index, cold, hot in _core.decode_heat_summary(heat.summary):
-            summaries[heat.request_ids[index]] = dict((page, h) for h, page in [*cold, *hot])
+            summaries[heat.request_ids[index]] = ({page for h, page in cold if h == 0}, {page for h, page in hot if h})
         report(heat)
 
     coord.report_heat = record
     checked = []
 
     def on_step(step):
-        if not summaries:
-            return
         position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
-        for rid, listed in summaries.items():
+        for rid, (never, hottest) in summaries.items():
             state = coord.request_states.get(rid)
             if state is None:
                 continue
             where = {}
             for page in state.unpinned_pages:
-                block = coord.resident_managers[0].get_resident_page(rid, page)
-                if block is not None and block.block_id in position:
-                    where[page] = position[block.block_id]
-            hot = [where[p] for p in where if listed.get(p, 0) > 0]
-            cold = [where[p] for p in where if p in listed and listed[p] == 0]
-            if hot and cold:
-                assert min(hot) > max(cold)
+                blocks = [m.get_resident_page(rid, page) for m in coord.resident_managers]
+                if all(b is not None and b.block_id in position for b in blocks):
+                    where[page] = [position[b.block_id] for b in blocks]
+            front = [i for p in where if p in never for i in where[p]]
+            back = [i for p in where if p in hottest for i in where[p]]
+            middle = [i for p in where if p not in never and p not in hottest for i in where[p]]
+            if front and back and middle:
+                assert max(front) < min(middle) and max(middle) < min(back)
                 checked.append(rid)
         summaries.clear()
 
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
-    assert checked, "no summary found both selected and unselected released pages"
+    assert checked, "no summary found never-selected, hottest and other released pages of one request"

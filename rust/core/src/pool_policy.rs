@@ -9,9 +9,13 @@
 //! - [`PoolPolicy::release_order`]: the summary's coldest pages first (coldest first), then the pages it
 //!   did not list (oldest first), then its hottest (the least hot first): never-selected pages go first,
 //!   the hottest (attention sinks, the recent window) stay longest.
-//! - [`PoolPolicy::refresh_order`]: after a summary, the released pages it knows to be still selected, in
-//!   that same order: the caller moves them to the tail of the free queue in turn, so the never-selected
-//!   are reused first and the hottest last.
+//! - [`PoolPolicy::report`]: with each summary, the released pages to move in vLLM's free queue: those the
+//!   summary found never selected to its front (reused first), its selected hottest to its back (reused
+//!   last, the hottest after the others), and when the summary lists every page of the request (nothing
+//!   unlisted sits between its tiers) every selected page to the back, in release order. The rest keep
+//!   their release order. This is O(what the summary lists) per request, not O(released pages): moving
+//!   every still-selected released page would touch most of a long request's pages (blocks of every
+//!   resident group) every interval.
 //! - [`worth_transition`]: a request moves to reading through a hot region only when the pages it would
 //!   release free more blocks than the region costs.
 //!
@@ -34,40 +38,23 @@ const HOTTEST: u8 = 2;
 struct Ranking {
     /// Listed page -> its rank (tier and position in the summary's order).
     listed: HashMap<u32, Rank>,
-    /// Heat of each listed page, to tell selected pages from never-selected ones.
-    heat: HashMap<u32, u32>,
-    /// Whether the pages the summary did not list are known to be selected: they were at least as hot as
-    /// its hottest coldest page, and that one was selected.
-    unlisted_selected: bool,
 }
 
 impl Ranking {
-    fn from_summary(summary: &HeatSummary, i: usize) -> Self {
-        let mut r = Ranking::default();
-        let mut coldest_max = None;
-        for (k, (heat, page)) in summary.coldest(i).enumerate() {
-            r.listed.insert(page, (COLDEST, k as u32));
-            r.heat.insert(page, heat);
-            coldest_max = Some(heat);
-        }
-        for (k, (heat, page)) in summary.hottest(i).enumerate() {
-            r.listed.insert(page, (HOTTEST, k as u32));
-            r.heat.insert(page, heat);
-        }
-        r.unlisted_selected = coldest_max.is_some_and(|h| h > 0);
-        r
-    }
-
     fn rank(&self, page: u32) -> Rank {
         self.listed.get(&page).copied().unwrap_or((UNLISTED, page))
     }
+}
 
-    fn selected(&self, page: u32) -> bool {
-        match self.heat.get(&page) {
-            Some(&h) => h > 0,
-            None => self.unlisted_selected,
-        }
-    }
+/// The free-queue moves a summary asks for one request (module docs), each in release order.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Moves {
+    /// Index of the request in the ids given with the summary.
+    pub request: usize,
+    /// Listed pages never selected: to the front of the free queue.
+    pub front: Vec<u32>,
+    /// Selected pages: to the back, the hottest last.
+    pub back: Vec<u32>,
 }
 
 /// Per-request selection heat and the orders derived from it (module docs).
@@ -82,14 +69,21 @@ impl PoolPolicy {
     }
 
     /// Takes a worker's summary: `summary.requests[i]` is an index into `request_ids`, and each request it
-    /// lists replaces what was known of that request. Returns the indices of the requests it listed, in
-    /// its order. A summary naming an index past `request_ids` is refused whole.
-    pub fn report(&mut self, summary: &HeatSummary, request_ids: &[String]) -> Result<Vec<usize>> {
+    /// lists replaces what was known of that request. `hottest` is how many hottest pages the worker asked
+    /// for per request: a request with fewer had every page listed. Returns the moves it asks for, one per
+    /// listed request in its order (the caller applies them to the pages that are released and still
+    /// readable). A summary naming an index past `request_ids` is refused whole.
+    pub fn report(
+        &mut self,
+        summary: &HeatSummary,
+        request_ids: &[String],
+        hottest: usize,
+    ) -> Result<Vec<Moves>> {
         summary.validate()?;
-        let mut listed = Vec::with_capacity(summary.len());
+        let mut moves = Vec::with_capacity(summary.len());
         for &index in &summary.requests {
             match usize::try_from(index).ok().filter(|&i| i < request_ids.len()) {
-                Some(i) => listed.push(i),
+                Some(request) => moves.push(Moves { request, ..Moves::default() }),
                 None => {
                     return invalid(format!(
                         "a heat summary names request {index} of a batch of {}",
@@ -98,10 +92,28 @@ impl PoolPolicy {
                 }
             }
         }
-        for (i, &index) in listed.iter().enumerate() {
-            self.requests.insert(request_ids[index].clone(), Ranking::from_summary(summary, i));
+        for (i, m) in moves.iter_mut().enumerate() {
+            let mut r = Ranking::default();
+            let complete = summary.hottest(i).count() < hottest;
+            for (k, (heat, page)) in summary.coldest(i).enumerate() {
+                r.listed.insert(page, (COLDEST, k as u32));
+                if heat == 0 {
+                    m.front.push(page);
+                } else if complete {
+                    m.back.push(page);
+                }
+            }
+            for (k, (heat, page)) in summary.hottest(i).enumerate() {
+                r.listed.insert(page, (HOTTEST, k as u32));
+                if heat == 0 {
+                    m.front.push(page);
+                } else {
+                    m.back.push(page);
+                }
+            }
+            self.requests.insert(request_ids[m.request].clone(), r);
         }
-        Ok(listed)
+        Ok(moves)
     }
 
     /// `pages` in the order to release them (module docs); without a summary, oldest first.
@@ -110,14 +122,6 @@ impl PoolPolicy {
             Some(r) => pages.sort_unstable_by_key(|&p| r.rank(p)),
             None => pages.sort_unstable(),
         }
-    }
-
-    /// Of the released pages still readable, those the last summary knows to be selected, in release order.
-    pub fn refresh_order(&self, request: &str, released: &[u32]) -> Vec<u32> {
-        let Some(r) = self.requests.get(request) else { return Vec::new() };
-        let mut hot: Vec<u32> = released.iter().copied().filter(|&p| r.selected(p)).collect();
-        hot.sort_unstable_by_key(|&p| r.rank(p));
-        hot
     }
 
     /// Forgets a request (finished, preempted or dropped).
@@ -150,43 +154,49 @@ mod tests {
     }
 
     #[test]
-    fn without_heat_the_oldest_go_first_and_nothing_is_refreshed() {
+    fn without_heat_the_oldest_go_first() {
         let p = PoolPolicy::new();
         let mut pages = vec![3, 9, 1, 5];
         p.release_order("a", &mut pages);
         assert_eq!(pages, vec![1, 3, 5, 9]);
-        assert!(p.refresh_order("a", &[1, 3]).is_empty());
     }
 
     #[test]
     fn coldest_then_unlisted_then_hottest_as_the_cores_policy() {
         let mut summary = HeatSummary::default();
-        // Pages 4 and 2 never or hardly selected; 0 (a sink) and 7 the hottest.
-        summary.push(1, vec![(0, 4), (3, 2)], vec![(90, 0), (9, 7)]);
+        // Pages 4 and 6 never selected, 2 hardly; 0 (a sink) and 7 the hottest (two asked for: others are
+        // unlisted, so page 2 stays where it is). "x" had three pages, all listed: its selected ones go back.
+        summary.push(1, vec![(0, 4), (0, 6), (3, 2)], vec![(9, 7), (90, 0)]);
+        summary.push(0, vec![(0, 9), (2, 5)], vec![(4, 1)]);
         let mut p = PoolPolicy::new();
-        assert_eq!(p.report(&summary, &ids(&["x", "a"])).unwrap(), vec![1]);
-        let mut pages = vec![0, 2, 4, 5, 7, 8];
+        let moves = p.report(&summary, &ids(&["x", "a"]), 2).unwrap();
+        assert_eq!(
+            moves,
+            vec![
+                Moves { request: 1, front: vec![4, 6], back: vec![7, 0] },
+                Moves { request: 0, front: vec![9], back: vec![5, 1] },
+            ]
+        );
+        let mut pages = vec![0, 2, 4, 5, 6, 7, 8];
         p.release_order("a", &mut pages);
-        assert_eq!(pages, vec![4, 2, 5, 8, 7, 0]);
-        // Unlisted pages were at least as hot as page 2 (heat 3): selected, so refreshed; page 4 is not.
-        assert_eq!(p.refresh_order("a", &[0, 4, 5, 2, 7]), vec![2, 5, 7, 0]);
-        assert_eq!(p.len(), 1);
+        assert_eq!(pages, vec![4, 6, 2, 5, 8, 7, 0]);
+        assert_eq!(p.len(), 2);
         p.forget("a");
-        assert!(p.is_empty());
+        assert_eq!(p.len(), 1);
     }
 
     #[test]
-    fn unlisted_pages_are_not_known_selected_when_every_coldest_page_is_cold() {
-        let mut summary = HeatSummary::default();
-        summary.push(0, vec![(0, 1), (0, 2)], vec![(5, 3)]);
-        let mut p = PoolPolicy::new();
-        p.report(&summary, &ids(&["a"])).unwrap();
-        assert_eq!(p.refresh_order("a", &[1, 2, 3, 9]), vec![3]);
-        // A later summary replaces the earlier one.
+    fn a_later_summary_replaces_an_earlier_one() {
+        let mut first = HeatSummary::default();
+        first.push(0, vec![(0, 1)], vec![(5, 3)]);
         let mut later = HeatSummary::default();
-        later.push(0, vec![(2, 3)], vec![]);
-        p.report(&later, &ids(&["a"])).unwrap();
-        assert_eq!(p.refresh_order("a", &[1, 2, 3, 9]), vec![3, 1, 2, 9]);
+        later.push(0, vec![(0, 3)], vec![(5, 1)]);
+        let mut p = PoolPolicy::new();
+        p.report(&first, &ids(&["a"]), 1).unwrap();
+        p.report(&later, &ids(&["a"]), 1).unwrap();
+        let mut pages = vec![1, 2, 3];
+        p.release_order("a", &mut pages);
+        assert_eq!(pages, vec![3, 2, 1]);
     }
 
     #[test]
@@ -195,7 +205,7 @@ mod tests {
         summary.push(0, vec![(0, 1)], vec![]);
         summary.push(2, vec![(0, 1)], vec![]);
         let mut p = PoolPolicy::new();
-        assert!(p.report(&summary, &ids(&["a", "b"])).is_err());
+        assert!(p.report(&summary, &ids(&["a", "b"]), 1).is_err());
         assert!(p.is_empty());
     }
 

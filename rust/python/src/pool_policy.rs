@@ -9,7 +9,10 @@ use pyo3::prelude::*;
 
 use crate::errors::PyResultExt;
 
-/// Per-request selection heat, and the release / refresh orders derived from it.
+/// A listed request's free-queue moves: (request id, pages to the front, pages to the back).
+type Moves = (String, Vec<u32>, Vec<u32>);
+
+/// Per-request selection heat, and the release order and free-queue moves derived from it.
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PoolPolicy {
     inner: Mutex<CorePoolPolicy>,
@@ -32,18 +35,22 @@ impl PoolPolicy {
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
-    /// ``request_ids[i]``, and each request it lists replaces what was known of it. Returns the ids it
-    /// listed. A malformed summary, or one naming a request past ``request_ids``, changes nothing.
+    /// ``request_ids[i]``, and each request it lists replaces what was known of it; ``hottest``: how many
+    /// hottest pages the worker asked for per request. Returns, per listed request, ``(request_id, front,
+    /// back)``: its listed pages never selected (to move to the front of the free queue) and its selected
+    /// pages to move to the back, each in release order. A malformed summary, or one naming a request past
+    /// ``request_ids``, changes nothing.
     fn report(
         &self,
         py: Python<'_>,
         summary: &Bound<'_, PyAny>,
         request_ids: Vec<String>,
-    ) -> PyResult<Vec<String>> {
+        hottest: usize,
+    ) -> PyResult<Vec<Moves>> {
         let raw = crate::args::bytes(summary, "summary")?;
         let summary = py.detach(|| HeatSummary::decode(&raw)).py()?;
-        let listed = self.with(|p| p.report(&summary, &request_ids)).py()?;
-        Ok(listed.into_iter().map(|i| request_ids[i].clone()).collect())
+        let moves = self.with(|p| p.report(&summary, &request_ids, hottest)).py()?;
+        Ok(moves.into_iter().map(|m| (request_ids[m.request].clone(), m.front, m.back)).collect())
     }
 
     /// ``pages`` in the order to release them: the last summary's coldest, then the pages it did not list
@@ -51,12 +58,6 @@ impl PoolPolicy {
     fn release_order(&self, request: &str, mut pages: Vec<u32>) -> Vec<u32> {
         self.with(|p| p.release_order(request, &mut pages));
         pages
-    }
-
-    /// The released pages the last summary knows to be selected, in release order (to move to the free
-    /// queue's tail in turn).
-    fn refresh_order(&self, request: &str, released: Vec<u32>) -> Vec<u32> {
-        self.with(|p| p.refresh_order(request, &released))
     }
 
     /// Forgets a request.

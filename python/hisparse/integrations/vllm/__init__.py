@@ -12,8 +12,9 @@ HiSparse path on)::
 ``kv_connector_extra_config``: ``host_pool_gib`` (vLLM's, required), ``policy`` (``coldest``, the default,
 or ``fifo``: exactly vLLM's decisions), and for ``coldest`` the heat counting's ``heat_interval`` (steps
 between summaries, 32), ``heat_coldest`` / ``heat_hottest`` (pages ranked per request, 128 / 32) and
-``heat_layer_stride`` (count in every n-th index group, 8). The package also registers a ``vllm.general_plugins`` entry point
-(:func:`register`), loaded in every vLLM process, which warns up front on an unsupported vLLM.
+``heat_layer_stride`` (count in every n-th index group, 8). The package also registers a
+``vllm.general_plugins`` entry point (:func:`register`), loaded in every vLLM process, which warns up front
+on an unsupported vLLM.
 
 Why this design (and not hisparse allocating blocks itself)
 -----------------------------------------------------------
@@ -27,8 +28,9 @@ stays the one owner of every block id, and we replace only the *policy*: the sch
 :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which subclasses it and decides
 
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),
-  coldest first by the selection heat the resolver reports, and moves still-selected released pages to the
-  back of the queue (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
+  by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest),
+  and with each heat summary it moves released pages never selected to the front of the queue and the
+  hottest to its back (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
 - when a request takes a hot region: only when what it releases frees more blocks than the region costs
   (vLLM moves every scheduled request once the pool runs low, even one whose pages free less than its
   6 x 64-block hot region);

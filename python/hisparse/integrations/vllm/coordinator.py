@@ -23,8 +23,9 @@ the decisions that are policy (package docstring):
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
-                      released pages that are still selected move to the back of the free queue (``touch``
-                      + ``unpin_blocks``) in release order, so the hottest are reused last.
+                      the released pages it found never selected move to the front of vLLM's free queue,
+                      its hottest to the back, so the pool reuses never-selected pages first and the hottest
+                      last.
 
 ``fifo`` overrides nothing: every decision is vLLM's, which is what the parity test checks step by step.
 """
@@ -146,34 +147,48 @@ class HisparseCoordinator(HiSparseCoordinator):
                 self.counters["released"] += 1
 
     def report_heat(self, report: HeatReport) -> None:
-        """A heat summary from the workers (``heat.py``): remember it, and move released pages that are still
-        selected to the back of the free queue, in release order (the hottest last)."""
+        """A heat summary from the workers (``heat.py``): remember it, and move each request's released pages
+        it found never selected to the front of the free queue (reused first) and its selected hottest to the
+        back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked at: O(coldest +
+        hottest) per request."""
         if self.policy == "fifo":
             return
         try:
-            listed = self.order.report(report.summary, list(report.request_ids))
+            moves = self.order.report(report.summary, list(report.request_ids), report.hottest)
         except InvalidArgumentError as e:
             # Heat only orders releases; a summary the core refuses must not take vLLM's engine down.
             logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
             self.counters["heat_refused"] += 1
             return
-        for request_id in listed:
+        for request_id, front, back in moves:
             state = self.request_states.get(request_id)
             if state is None:  # finished or preempted since the summary was taken
                 self.order.forget(request_id)
                 continue
-            for page_idx in self.order.refresh_order(request_id, list(state.unpinned_pages)):
-                self._refresh(request_id, page_idx)
+            released = state.unpinned_pages
+            self._move_released(request_id, [p for p in front if p in released], front=True)
+            self._move_released(request_id, [p for p in back if p in released], front=False)
 
-    def _refresh(self, request_id: str, page_idx: int) -> None:
-        blocks = [manager.get_resident_page(request_id, page_idx) for manager in self.resident_managers]
-        if any(block is None or block.is_null for block in blocks):
-            return  # lost already
-        for manager, block in zip(self.resident_managers, blocks, strict=True):
-            # touch takes the block out of the free queue, unpin_blocks puts it back at the tail.
-            manager.block_pool.touch([block])
-            manager.block_pool.unpin_blocks([block], self._on_block_reused)
-        self.counters["refreshed"] += 1
+    def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
+        """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
+        vLLM's free queue. A block that is not in the queue (reused already, or adopted by another request)
+        stays where it is; the reuse watcher ``unpin_blocks`` registered stays, so reuse is still noticed."""
+        if not pages:
+            return
+        queue = self.gpu_pool.free_block_queue
+        moved = []
+        for page_idx in pages:
+            for manager in self.resident_managers:
+                block = manager.get_resident_page(request_id, page_idx)
+                if block is not None and block.ref_cnt == 0 and block.prev_free_block is not None:
+                    queue.remove(block)
+                    moved.append(block)
+        # remove() and the insert below each count the block once: the pool's free count is unchanged.
+        if front:
+            queue.prepend_n(moved)
+        else:
+            queue.append_n(moved)
+        self.counters["moved_to_front" if front else "moved_to_back"] += len(moved)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)

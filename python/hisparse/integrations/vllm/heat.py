@@ -13,7 +13,7 @@ data path's ranking, sent to the scheduler as the core's ``HeatSummary``.
   ones vLLM applies to its residency table).
 - :meth:`SelectionHeat.end_step`, after the forward: every ``interval`` steps (sooner at first: steps 1,
   2, 4, ...) it ranks the batch's rows with :func:`hisparse.datapath.rank_heat` (DataPath's ranking) over
-  the pages the scheduler may release or refresh (resident, outside the ``tail_pages`` vLLM keeps pinned),
+  the pages the scheduler may release or move (resident, outside the ``tail_pages`` vLLM keeps pinned),
   halves their counts (``heat.rs`` gives the decay rule), and copies the keys back through pinned memory
   behind an event; a later step sends the encoded summary once the event has passed. Nothing waits.
 
@@ -40,10 +40,12 @@ __all__ = ["HeatReport", "SelectionHeat", "check_heat_options"]
 @dataclass(frozen=True)
 class HeatReport:
     """An encoded ``HeatSummary`` (``_core.decode_heat_summary`` reads it) whose request ``i`` is
-    ``request_ids[i]``. Bytes and strings: it pickles across vLLM's multi-process executor."""
+    ``request_ids[i]``, ranked with ``hottest`` hottest pages asked for per request (a request listing fewer
+    had every page listed). Bytes, strings and ints: it pickles across vLLM's multi-process executor."""
 
     summary: bytes
     request_ids: tuple[str, ...]
+    hottest: int
 
 
 def _positive(name: str, value: object, low: int) -> int:
@@ -155,7 +157,7 @@ class SelectionHeat:
         report = None
         while self._pending and self._pending[0][0].ready():
             summary, ids = self._pending.popleft()
-            report = HeatReport(summary.take(), ids)
+            report = HeatReport(summary.take(), ids, self.hottest)
         return report
 
     def _start_summary(self, ids: tuple[str, ...], rows: torch.Tensor) -> None:
