@@ -142,17 +142,91 @@ def test_scenario6_mtp_three_speculative_tokens():
     assert stats.rows_checked > 3 * 40 * len(GROUP_LAYERS) * H.TOP_K // 3
 
 
+def _run_recording(setup, jobs, num_spec_tokens: int = 0) -> tuple[H.Stats, list]:
+    """Runs a trace and returns, per step, what the scheduler sent (``vllm_harness._digest``: its decisions
+    and every connector metadata field) and what it keeps that the metadata does not show (host prefix
+    publication, the GPU copies it records). Copies complete two steps late, as a GPU's DMA would, so pages
+    stay pending across steps."""
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    worker = H.FakeWorker(setup, layers=[0, 60], record=True, completion_lag=2)
+    coord = setup.scheduler.connector.connector_scheduler.coordinator
+    host_cache = coord.host_manager.block_pool.cached_block_hash_to_block._cache
+    kept = []
+
+    def on_step(step):
+        # Our cache of requests that hold their hot regions holds nothing else (checked against vLLM's test).
+        stale = [rid for rid in getattr(coord, "_reads_host", ())
+                 if not HiSparseCoordinator._can_read_from_host(coord, rid)]
+        assert not stale, f"step {step}: {stale} no longer read from the host"
+        kept.append((len(host_cache), len(coord.copies), sorted(
+            (rid, st.publication is not None, st.copies_recorded_blocks, st.ready_prefix_pages)
+            for rid, st in coord.request_states.items())))
+
+    stats = H.run(setup, worker, jobs, num_spec_tokens=num_spec_tokens, on_step=on_step)
+    return stats, [stats.trace, kept]
+
+
 def test_fifo_policy_makes_vllms_decisions_step_by_step():
-    """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata."""
+    """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata, same
+    scheduler state, step by step."""
     jobs = [H.Job(f"r{i}", H.prompt(i, 6000 + 300 * i), 24) for i in range(6)]
     traces = []
     for mode, extra in (("native", None), ("hisparse", {"policy": "fifo"})):
         setup = H.build(mode=mode, gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra=extra)
-        worker = H.FakeWorker(setup, layers=[0, 60], record=True)
-        stats = H.run(setup, worker, jobs)
-        traces.append(stats.trace)
+        stats, trace = _run_recording(setup, jobs)
+        traces.append(trace)
     assert stats.rows_from_host > 0
     assert traces[0] == traces[1]
+
+
+def _with_vllms_scans(setup) -> None:
+    """Our connector, with vLLM's own per-step scans in place of ``HisparseCoordinator``'s bookkeeping
+    section: the reference the cheaper bookkeeping must equal."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector as Native
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    connector = setup.scheduler.connector
+    connector.build_connector_meta = types.MethodType(Native.build_connector_meta, connector)
+    for name in ("_can_read_from_host", "publish_when_ready"):
+        setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
+                                                              connector.coordinator))
+
+
+@pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib",
+                         [("coldest", False, 0, True, 0.8), ("fifo", True, 0, False, 0.8),
+                          ("coldest", False, 3, True, 1.3)],
+                         ids=["coldest", "fifo-async-no-prefix-caching", "coldest-mtp"])
+def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_scheduling, mtp, prefix_caching, gpu_gib):
+    """The same trace through our connector twice, once with vLLM's per-step scans: every scheduler decision,
+    every field of the connector metadata (transfers, host copies, source blocks, row mirrors, residency flag
+    and updates) and the scheduler state the metadata does not show (``_run_recording``) are equal at every
+    step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
+    without prefix caching, a resumed request starts again with no hot region), recycled blocks and copies
+    that complete late; one run has MTP's drafts and lookahead."""
+    shared = H.prompt(1000, 2048)
+    # Long enough decodes that requests reading through hot regions seal pages of generated tokens.
+    jobs = [H.Job(f"r{i}", H.prompt(i, 4000 + 97 * i, shared if i % 2 else None), 16 + 60 * (i % 3 == 0),
+                  arrival=3 * i) for i in range(12)]
+    traces, summaries = [], []
+    for vllms in (False, True):
+        setup = H.build(mode="hisparse", gpu_gib=gpu_gib, max_model_len=8192, host_pool_gib=40,
+                        async_scheduling=async_scheduling, num_spec_tokens=mtp, prefix_caching=prefix_caching,
+                        extra={"policy": policy, "heat_interval": 4})
+        if vllms:
+            _with_vllms_scans(setup)
+        stats, trace = _run_recording(setup, jobs, mtp)
+        traces.append(trace)
+        summaries.append((stats.prefix_hit_tokens, stats.preemptions, stats.rows_from_host))
+    assert summaries[0][2] > 0 and (summaries[0][0] > 0) == prefix_caching
+    if policy == "fifo":
+        assert summaries[0][1] > 0
+    for kind in range(2):
+        assert len(traces[0][kind]) == len(traces[1][kind])
+        for step, (ours, theirs) in enumerate(zip(traces[0][kind], traces[1][kind], strict=True)):
+            assert ours == theirs, f"step {step} differs ({('sent', 'kept')[kind]})"
 
 
 def test_coldest_orders_vllms_free_queue_by_heat():

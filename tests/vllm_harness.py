@@ -279,7 +279,7 @@ class FakeWorker:
     docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks."""
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
-                 record: bool = False, data: bool = True):
+                 record: bool = False, data: bool = True, completion_lag: int = 0):
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
@@ -347,6 +347,9 @@ class FakeWorker:
         self.slab = torch.zeros(self.parts + 1, self.num_blocks * BLOCK if data else 0, ROW, dtype=torch.uint8)
         self._completed_host_copies: list[int] = []
         self._enqueued: list[int] = []
+        # completion_lag > 0: transfers are reported complete that many steps after they were enqueued, as
+        # the DMA of a GPU worker lags its forward (the copies themselves are done at once here).
+        self._completing: deque[list[int]] = deque([] for _ in range(completion_lag))
 
     # ------------------------------------------------------------------ request state
 
@@ -471,10 +474,13 @@ class FakeWorker:
         enqueued, self._enqueued = self._enqueued, []
         copies, self._completed_host_copies = self._completed_host_copies, []
         heat = self.selection_heat.end_step() if self.selection_heat is not None else None
-        if not enqueued and not copies and heat is None:
+        # Transfers complete in the step that enqueues them (CPU copies are synchronous), or completion_lag
+        # steps later.
+        self._completing.append(enqueued)
+        completed = self._completing.popleft()
+        if not enqueued and not completed and not copies and heat is None:
             return None
-        # Transfers complete in the step that enqueues them: CPU copies are synchronous.
-        args = ({t: 1 for t in enqueued}, {t: 1 for t in enqueued}, tuple(copies))
+        args = ({t: 1 for t in enqueued}, {t: 1 for t in completed}, tuple(copies))
         if self.mode == "hisparse":
             from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
 
@@ -701,7 +707,8 @@ class FakeWorker:
 
 
 def _digest(so) -> tuple:
-    """What the scheduler decided in a step, for step-by-step comparisons."""
+    """What the scheduler decided in a step and every field of the connector metadata it sent, for
+    step-by-step comparisons."""
     meta = so.kv_connector_metadata
     cached = so.scheduled_cached_reqs
     return (
@@ -710,9 +717,12 @@ def _digest(so) -> tuple:
         tuple(zip(cached.req_ids, map(tuple, (b or () for b in cached.new_block_ids)), strict=True)),
         tuple(sorted(so.preempted_req_ids or ())),
         None if meta is None else (
-            tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
-            tuple(meta.command.page_transfers) if meta.command is not None else (),
+            meta.command.page_transfers if meta.command is not None else None,
             meta.host_block_copies,
+            meta.source_block_ids,
+            meta.row_mirrors,
+            meta.all_context_pages_resident,
+            tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
         ),
     )
 

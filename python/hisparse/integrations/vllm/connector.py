@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector as VllmHiSparseConnector,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+    HiSparseConnectorMetadata,
     HiSparseConnectorWorkerMetadata,
 )
 from vllm.v1.hisparse.runtime import HiSparseRuntime
@@ -133,6 +134,38 @@ class HiSparseConnector(VllmHiSparseConnector):
                                           self._admission_tokens):
                 return None, False
         return 0, False
+
+    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        """vLLM's ``HiSparseConnectorScheduler.build_connector_meta`` (``connector.py:124``), the same calls in
+        the same order and the same metadata, with the coordinator's per-request scans replaced by ones that
+        touch only requests whose step changes something (``HisparseCoordinator``'s bookkeeping section)."""
+        scheduler = self.connector_scheduler
+        coordinator = scheduler.coordinator
+        # HiSparse rebinds worker state every step: the load must run before the forward.
+        scheduler_output.has_sync_kv_loads = True
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        scheduled = tuple((rid, computed[rid], count) for rid, count in scheduler_output.num_scheduled_tokens.items())
+        requests = scheduler.requests
+        coordinator.advance_scheduled(coordinator.with_residency_work(
+            (rid, min(start + count, requests[rid].num_tokens)) for rid, start, count in scheduled))
+        command = coordinator.build_offload_command()
+        host_block_copies = coordinator.take_host_block_copies()
+        source_group = coordinator.host_group_id
+        source_block_ids = [block for r in scheduler_output.scheduled_new_reqs for block in r.block_ids[source_group]]
+        for new_block_ids in cached.new_block_ids:
+            if new_block_ids is not None:
+                source_block_ids.extend(new_block_ids[source_group])
+        lookahead = scheduler.draft_kv_lookahead
+        windows = []
+        for rid, start, count in scheduled:
+            first = max(0, start - requests[rid].num_output_placeholders) if scheduler.async_speculative else start
+            windows.append((rid, first, count + start - first + lookahead))
+        row_mirrors = coordinator.row_mirrors(windows)
+        return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
+                                         coordinator.all_context_pages_resident(scheduled),
+                                         coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)

@@ -37,7 +37,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVRowMirror
 
 from ..._core import PoolPolicy
 from ...errors import ConfigError, InvalidArgumentError
@@ -65,6 +65,8 @@ class HisparseCoordinator(HiSparseCoordinator):
         self.counters: Counter[str] = Counter()
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
+        # Requests known to hold their hot regions (``_can_read_from_host``).
+        self._reads_host: set[str] = set()
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -135,6 +137,119 @@ class HisparseCoordinator(HiSparseCoordinator):
         super().advance_scheduled(requests)
         self._deferred = False
 
+    # ------------------------------------------------------------------ per-step bookkeeping, O(what changed)
+    #
+    # vLLM's connector runs every per-step scan over every scheduled request; these give the same results
+    # while touching only requests whose step changes something (``connector.build_connector_meta`` calls
+    # them in vLLM's order; ``tests/test_vllm_integration.py`` compares every metadata field with vLLM's).
+
+    def _can_read_from_host(self, request_id: str) -> bool:
+        # Once true it stays true until the request is freed: hot regions are only given back by
+        # pop_blocks_for_free, which frees the request here first (free() forgets it).
+        if request_id in self._reads_host:
+            return True
+        if super()._can_read_from_host(request_id):
+            self._reads_host.add(request_id)
+            return True
+        return False
+
+    def with_residency_work(self, requests) -> list[tuple[str, int]]:
+        """The ``(request, tokens computed after the step)`` pairs for which ``advance_scheduled`` does
+        anything: a sealed page without a host copy planned (``plan_prefix_materialization``'s range is not
+        empty), or a residency decision that is not a no-op (a prefix to adopt, clean pages still pinned, or
+        no hot region yet). The others are steady decodes already reading through a hot region."""
+        if not self.resident_managers:
+            return []
+        block_size = self.host_manager.block_size
+        reprefill = self.num_reprefillable_tokens
+        imports = self._pending_imports
+        states = self.request_states
+        resident = self.resident_managers[0].req_to_blocks
+        out = []
+        for request_id, num_tokens in requests:
+            state = states.get(request_id)
+            if state is None:
+                out.append((request_id, num_tokens))
+                continue
+            sealed = max(0, num_tokens - reprefill) // block_size
+            first = state.ready_prefix_pages
+            if imports:
+                first = max(first, -(-imports.get(request_id, 0) // block_size))
+            # A clean page still pinned is released only once it leaves the tail (_resident_page_blocks):
+            # a pinned page in the tail, the usual case, is no work. Counted by membership, not by iterating
+            # the set, whose table keeps the size it had when the request last held many pinned pages.
+            pinned = state.pinned_clean
+            unpinnable = False
+            if pinned:
+                pages = len(resident.get(request_id, ()))
+                in_tail = sum(page in pinned for page in range(max(0, pages - ACTIVE_TAIL_PAGES), pages))
+                unpinnable = len(pinned) > in_tail
+            if first < sealed or state.pages_to_adopt or unpinnable or not self._can_read_from_host(request_id):
+                out.append((request_id, num_tokens))
+        return out
+
+    def row_mirrors(self, requests) -> dict[str, tuple[SparseKVRowMirror, ...]]:
+        """``build_row_mirrors`` of each ``(request, first token, tokens)`` on its own, in one pass: what
+        vLLM's connector sends per request (one new row per decode step, so this is what changed)."""
+        out: dict[str, tuple[SparseKVRowMirror, ...]] = {}
+        if not self.resident_managers or self.host_manager is None:
+            return {request_id: () for request_id, _, _ in requests}
+        block_size = self.resident_managers[0].block_size
+        tables = [(m.req_to_blocks, m.residency_changes) for m in self.resident_managers]
+        host_tables = self.host_manager.req_to_blocks
+        for request_id, start, count in requests:
+            host_blocks = host_tables.get(request_id)
+            rows = [(blocks.get(request_id), changes.get(request_id)) for blocks, changes in tables]
+            if host_blocks is None or any(row is None for row, _ in rows):
+                out[request_id] = ()
+                continue
+            mirrors = []
+            position, end = start, start + count
+            while position < end:
+                page, offset = divmod(position, block_size)
+                num_rows = min(block_size - offset, end - position)
+                position += num_rows
+                sources = []
+                for row, changes in rows:
+                    if page >= len(row):
+                        break
+                    block = row[page]
+                    if changes:
+                        block = changes.get(page, block)
+                    if block.is_null:
+                        break
+                    sources.append(block.block_id * block_size + offset)
+                else:
+                    if page < len(host_blocks) and not (host := host_blocks[page]).is_null:
+                        mirrors.append(SparseKVRowMirror(tuple(sources), host.block_id * block_size + offset,
+                                                         num_rows))
+            out[request_id] = tuple(mirrors)
+        return out
+
+    def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
+        # Called for every request after every step. When the durable prefix publishes nothing new, records
+        # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
+        # publication cleared): skip the publication object and the host manager's call.
+        manager = self.host_manager
+        state = self.request_states.get(request.request_id) if manager is not None else None
+        if state is not None and self.resident_managers:
+            block_size = manager.block_size
+            num_pages = num_computed_tokens // block_size
+            ready = state.ready_prefix_pages
+            if ready >= num_pages:
+                num_tokens = min(num_computed_tokens, ready * block_size)
+                hashed = len(request.block_hashes) * manager.block_pool.hash_block_size
+                cached = manager.num_cached_block.get(request.request_id, 0)
+                host_blocks = manager.req_to_blocks.get(request.request_id)
+                recorded = not host_blocks or state.copies_recorded_blocks >= min(num_tokens // block_size,
+                                                                                   len(host_blocks))
+                if recorded and (not manager.kv_cache_spec.prefix_cacheable
+                                 or cached >= min(num_tokens, hashed) // block_size):
+                    state.publication = None
+                    return
+        super().publish_when_ready(request, num_computed_tokens, retention_interval,
+                                   replay_boundaries=replay_boundaries)
+
     # ------------------------------------------------------------------ release (= reuse) order
 
     def _unpin_clean_pages(self, request_id, state) -> None:
@@ -192,6 +307,7 @@ class HisparseCoordinator(HiSparseCoordinator):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
+        self._reads_host.discard(request_id)
         self.order.forget(request_id)
 
 
