@@ -55,6 +55,65 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp
   return prefix;
 }
 
+// Items a thread holds in registers in the run helpers below: a block-wide pass over n items takes
+// ceil(n / (HS_RUN * blockDim)) rounds, so a hot region of 10,240 slots takes 2 rounds of 1024 threads, not 10.
+#define HS_RUN 8
+
+// Calls f(k, src[k]) for every k in [0, count), strided over the block. Each thread issues RUN loads before
+// it uses any, so that their latencies overlap (an atomic in f would otherwise keep the compiler from
+// hoisting the next load above it). f may write src[k] (only its own k: every load of a round precedes it).
+template <int RUN = HS_RUN, class F>
+__device__ __forceinline__ void for_each_loaded(const int* src, int count, F f) {
+  for (int k0 = threadIdx.x; k0 < count; k0 += RUN * blockDim.x) {
+    int v[RUN];
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      const int k = k0 + u * (int)blockDim.x;
+      if (k < count) v[u] = src[k];
+    }
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      const int k = k0 + u * (int)blockDim.x;
+      if (k < count) f(k, v[u]);
+    }
+  }
+}
+
+// Visits the items [0, count) in order, each thread a run of RUN consecutive items per round: load(k)
+// reads item k, keep(v) says whether it counts, and visit(k, v, kept, rank) sees every item, with rank = the
+// number of kept items before it. Returns the number of kept items. Every thread of the block must call it.
+// A round reads all its items before its scan's barrier and visits them after it, so visit may write items
+// in place at an index no larger than its own (rank <= k), over its own round or earlier ones.
+// RUN (at most 32) defaults to HS_RUN items, fewer for wide items where registers are short.
+template <class T, int RUN = HS_RUN, class Load, class Keep, class Visit>
+__device__ __forceinline__ int block_runs(int count, Load load, Keep keep, Visit visit, int* warp_sums) {
+  int base = 0;
+  for (int r0 = 0; r0 < count; r0 += RUN * (int)blockDim.x) {
+    const int k0 = r0 + (int)threadIdx.x * RUN;
+    T v[RUN];
+    u32 kept = 0;  // bit u: item k0 + u counts
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      if (k0 + u < count) {
+        v[u] = load(k0 + u);
+        if (keep(v[u])) kept |= 1u << u;
+      }
+    }
+    int total;
+    int rank = base + block_exclusive_scan(__popc(kept), &total, warp_sums);
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      if (k0 + u < count) {
+        const bool k = (kept >> u) & 1;
+        visit(k0 + u, v[u], k, rank);
+        rank += k;
+      }
+    }
+    base += total;
+  }
+  return base;
+}
+
 // Copies `chunks` 16-byte chunks from src to dst; this thread takes chunks lane, lane + lanes, ...
 // Four loads are issued before their stores so that reads of pinned host memory over PCIe (hundreds of
 // cycles each) overlap instead of running one round trip at a time. Offsets are 32-bit: callers compute

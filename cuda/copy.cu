@@ -3,7 +3,7 @@
 // read and written in place through unified addressing). A job (one row, or one block, of one layer) goes to
 // one warp (rows) or one CTA (blocks), which computes its 64-bit base addresses once and copies with 32-bit
 // offsets; every kernel strides over its jobs, so any grid is correct, and an entry outside its slab or pool
-// is skipped.
+// is skipped. Destinations are the caller's to keep distinct (SPEC.md): nothing here looks for a repeat.
 #include "common.cuh"
 
 #define COPY_THREADS 256
@@ -86,6 +86,12 @@ extern "C" __global__ void __launch_bounds__(COPY_THREADS)
                     const u64* __restrict__ layers, int L, int rb, int gpu_rows, int host_rows) {
   HS_DYNAMIC_SHARED(int, start);
   __shared__ int warp_sums[32];
+
+  // The grid is sized for the worst case (every element a miss), and a hit-only step records no pair: then
+  // every CTA leaves after one read of the counts and one barrier.
+  bool any = false;
+  for (int i = threadIdx.x; i < R; i += blockDim.x) any |= count[i] > 0 && K > 0;
+  if (!__syncthreads_or(any)) return;
 
   int all = 0;
   for (int i0 = 0; i0 < R; i0 += blockDim.x) {

@@ -102,8 +102,10 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 //
 // grid = R (one CTA per batch row), RESOLVE_THREADS threads. The CTA of a request's first batch row
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
-// write -1. Dynamic shared memory, its size bounded by the selection and not by H:
-//   u64 tab[cap]              hash table of positions: first occurrences (phase A), then U -> index in U
+// write -1. Dynamic shared memory, its size set by the selection (top_k x the rows of a request) and growing
+// with H only by one bit per hot slot:
+//   u64 tab[cap]              hash table of positions: first occurrences (phase A), then a bitmap of the hot
+//                             blocks (checks 1-3), then U -> index in U
 //   int rows[R]               the request's batch rows
 //   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check), then slots of hits
 // A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
@@ -112,7 +114,8 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 // request's entries of `out` mark U's members.
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
-// layout may vary, but what it answers does not, and all state of request r is written by its CTA alone.
+// layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
+// hot blocks are checked distinct; that no two requests share one is the core's duty, SPEC.md).
 extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     hisparse_resolve(const int* __restrict__ topk, const int* __restrict__ row_state,
                      const int* __restrict__ seq_lens, const int* __restrict__ block_table,
@@ -272,24 +275,50 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
   };
 
-  // Checks 1-3 of SPEC step 4: overflow, the hot blocks, hot_lru a permutation (bits: slots seen). Nothing
-  // reads U's entries before the barrier below; a request that stops here reads none.
+  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (seen: a bitmap of block ids over
+  // tab, which phase A no longer needs, in windows of 64 * cap ids: one window unless the slab has more blocks);
+  // hot_lru a permutation (bits: slots seen). Nothing reads U's entries before the barrier below; a request that
+  // stops here reads none.
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
+    u32* seen = (u32*)tab;
+    const u32 window_ids = 64u * (u32)cap;
+    auto clear_window = [&](u32 w) {
+      const u32 ids = min(window_ids, (u32)gpu_blocks - w);
+      for (u32 k = tid; k < (ids + 31) / 32; k += nt) seen[k] = 0;
+    };
     bool bad = false;
+    auto mark_window = [&](u32 w) {  // a block seen twice in this window is a repeat
+      for (int b = tid; b < HB; b += nt) {
+        const u32 id = (u32)hb_row[b] - w;
+        if (hb_row[b] > 0 && hb_row[b] < gpu_blocks && id < window_ids) {
+          const u32 m = 1u << (id & 31);
+          bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;
+        }
+      }
+    };
     for (int b = tid; b < HB; b += nt) bad |= hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;
+    clear_window(0);
     for (int k = tid; k < words; k += nt) bits[k] = 0;
-    __syncthreads();  // bits are clear, U's entries complete
-    for (int k = tid; k < H; k += nt) {
-      const u32 s = (u32)lru[k];
+    __syncthreads();  // bits and the first window are clear, U's entries complete
+    mark_window(0);
+    for (u32 w = window_ids; w < (u32)gpu_blocks; w += window_ids) {
+      __syncthreads();  // the last window's marks are done
+      clear_window(w);
+      __syncthreads();
+      mark_window(w);
+    }
+    for_each_loaded(lru, H, [&](int, int entry) {
+      const u32 s = (u32)entry;
       if (s >= (u32)H) {
         bad = true;
       } else {
         const u32 m = 1u << (s & 31);
         bad |= (atomicOr(&bits[s >> 5], m) & m) != 0;
       }
-    }
+    });
+    // Also orders every atomicOr above before phase B clears bits and rebuilds tab.
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
@@ -301,17 +330,17 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     for (int k = tid; k < words; k += nt) bits[k] = 0;
     with_u_map(true, [&](auto find) {
       int hits = 0;
-      for (int s = tid; s < H; s += nt) {
-        const int pos = hp[s];
+      // Runs of 4: with 8 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
+      for_each_loaded<4>(hp, H, [&](int s, int pos) {
         const u32 t = find(pos);
-        if (t == HS_NONE) continue;
+        if (t == HS_NONE) return;
         if (atomicCAS(entry(t), u_word(pos, HS_NONE), u_word(pos, s)) == u_word(pos, HS_NONE)) {
           atomicOr(&bits[s >> 5], 1u << (s & 31));
           ++hits;
         } else {
           s_dup = 1;
         }
-      }
+      });
       if (hits > 0) atomicAdd(&s_hits, hits);
     });
     ok = !s_dup;
@@ -334,53 +363,34 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   }
 
   if (ok) {
-    // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries; E[|M| ..) move to
-    // the front, in place: an entry moves to an index no larger than its own, and each chunk is read
-    // completely before it is written (the scan's barrier).
-    int e_base = 0;
-    for (int k0 = 0; k0 < H; k0 += nt) {
-      const int k = k0 + tid;
-      u32 s = 0;
-      bool evictable = false;
-      if (k < H) {
-        s = (u32)lru[k];
-        evictable = !test_bit(bits, s);
-      }
-      int total;
-      const int e = e_base + block_exclusive_scan(evictable, &total, warp_sums);
-      if (evictable) {
-        if (e < n_miss) {
-          entry(e)[1] = s;
-        } else {
-          lru[e - n_miss] = (int)s;
-        }
-      }
-      e_base += total;
-    }
+    // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries (word 1); E[|M| ..)
+    // move to the front, in place (block_runs: an entry moves to an index no larger than its own).
+    block_runs<u32>(
+        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return !test_bit(bits, s); },
+        [&](int, u32 s, bool evictable, int e) {
+          if (!evictable) return;
+          if (e < n_miss) {
+            entry(e)[1] = s;
+          } else {
+            lru[e - n_miss] = (int)s;
+          }
+        },
+        warp_sums);
 
-    // Phase D: U in order. Miss m takes slot E[m]; every slot of U goes to the LRU tail in U's order.
-    int m_base = 0;
-    for (int t0 = 0; t0 < n; t0 += nt) {
-      const int t = t0 + tid;
-      u64 word = 0;
-      bool miss = false;
-      if (t < n) {
-        word = entry(t)[0];
-        miss = u_slot(word) == HS_NONE;
-      }
-      int total;
-      const int m = m_base + block_exclusive_scan(miss, &total, warp_sums);
-      if (t < n) {
-        u32 slot = u_slot(word);
-        if (miss) {
-          slot = (u32)entry(m)[1];
-          entry(t)[0] = u_word(u_pos(word), slot);
-        }
-        hp[slot] = u_pos(word);
-        lru[H - n + t] = (int)slot;
-      }
-      m_base += total;
-    }
+    // Phase D: U in order. Miss m takes slot E[m] (word 1 of entry m, written above: the scan's barrier orders
+    // it); every slot of U goes to the LRU tail in U's order.
+    block_runs<u64, 4>(
+        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
+        [&](int t, u64 word, bool miss, int m) {
+          u32 slot = u_slot(word);
+          if (miss) {
+            slot = (u32)entry(m)[1];
+            entry(t)[0] = u_word(u_pos(word), slot);
+          }
+          hp[slot] = u_pos(word);
+          lru[H - n + t] = (int)slot;
+        },
+        warp_sums);
     __syncthreads();  // U's slots are complete
   }
 
@@ -401,33 +411,25 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       });
     });
 
-    // Phase F: the plan. Misses (the slots of U that held no hit) in U's order, compacted in place: miss m
-    // lands in entry m <= t, and each chunk is read before it is written (the scan's barrier).
-    int m_base = 0;
-    for (int t0 = 0; t0 < n; t0 += nt) {
-      const int t = t0 + tid;
-      u64 word = 0;
-      bool miss = false;
-      if (t < n) {
-        word = entry(t)[0];
-        miss = !test_bit(bits, u_slot(word));
-      }
-      int total;
-      const int m = m_base + block_exclusive_scan(miss, &total, warp_sums);
-      if (miss) {
-        const int pos = u_pos(word);
-        u64* pair = entry(m);
-        pair[0] = (u64)(i64)hot_row(u_slot(word));
-        pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
-      }
-      m_base += total;
-    }
+    // Phase F: the plan. Misses (the slots of U that held no hit) in U's order, compacted in place
+    // (block_runs: miss m lands in entry m <= t).
+    block_runs<u64, 4>(
+        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
+        [&](int, u64 word, bool miss, int m) {
+          if (!miss) return;
+          const int pos = u_pos(word);
+          u64* pair = entry(m);
+          pair[0] = (u64)(i64)hot_row(u_slot(word));
+          pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
+        },
+        warp_sums);
   }
   const int planned = ok ? n_miss : 0;
   for (int o = tid; o < n_rows; o += nt) plan_count[rows[o]] = min(max(planned - o * K, 0), K);
 
   if (tid == 0) {
-    if (s_status != 0) status[r] |= s_status;
+    // Atomic: two groups of one request may be resolved at once on different streams.
+    if (s_status != 0) atomicOr(&status[r], s_status);
     if (ok) {
       atomicAdd(&counters[0], (u64)(n - n_miss));
       atomicAdd(&counters[1], (u64)n_miss);
@@ -488,14 +490,13 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
     }
     __syncthreads();
     bool hit = false;
-    for (int s = tid; s < H; s += nt) {
-      const int pos = hp[s];
+    for_each_loaded(hp, H, [&](int s, int pos) {
       if (pos >= 0 && set_contains(keys, cap, pos)) {
         hp[s] = -1;
         atomicOr(&emptied[s >> 5], 1u << (s & 31));
         hit = true;
       }
-    }
+    });
     any_emptied |= __syncthreads_or(hit);
   }
   if (!any_emptied) return;
@@ -504,15 +505,15 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
   for (int k = tid; k < words; k += nt) seen[k] = 0;
   __syncthreads();
   bool bad = false;
-  for (int k = tid; k < H; k += nt) {
-    const u32 s = (u32)lru[k];
+  for_each_loaded(lru, H, [&](int, int entry) {
+    const u32 s = (u32)entry;
     if (s >= (u32)H) {
       bad = true;
     } else {
       const u32 m = 1u << (s & 31);
       bad |= (atomicOr(&seen[s >> 5], m) & m) != 0;
     }
-  }
+  });
   if (__syncthreads_or(bad)) return;
 
   // Kept slots slide to the back in their order, from the last chunk to the first: an entry moves to an

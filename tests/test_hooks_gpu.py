@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-LAYOUT = Layout(num_gpu_blocks=48, num_host_blocks=400, block_size=8, max_model_len=256, max_running=4,
+LAYOUT = Layout(num_gpu_blocks=32, num_host_blocks=400, block_size=8, max_model_len=256, max_running=4,
                 hot_rows=32, row_bytes=32, layer_groups=(0, 0, 1))
 
 

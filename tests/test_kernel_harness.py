@@ -1,6 +1,7 @@
 """The CUDA kernels on the CPU (tests/kernel_harness): the real cuda/*.cu files compiled as C++ with a shim,
 threads as fibers in randomized schedules, checked byte for byte against the Rust reference on random and corrupt
-cases, and the barrier-mutation check: removing any __syncthreads() must make the suite fail.
+cases, and the mutation check: removing any barrier, or moving any bound the kernels check by one, must make the
+suite fail.
 
 Needs g++ (nothing else: no GPU, no CUDA toolkit). Run with -s to see the suite's and the mutants' reports.
 ``HISPARSE_HARNESS_ROUNDS`` sets the suite's rounds (default 4).
@@ -140,11 +141,13 @@ def test_kernels_match_the_reference_on_random_and_corrupt_cases():
     assert not report["failures"], json.dumps(report["failures"], indent=1)
 
 
-def test_removing_any_barrier_makes_the_suite_fail():
+def test_every_mutant_of_a_barrier_or_a_bound_makes_the_suite_fail():
     report = _module("mutate", timeout=1200)
-    print(f"\nbarrier mutants: {report['caught']} of {report['barriers']} caught in {report['seconds']} s")
+    print(f"\nmutants: {report['caught']} of {report['mutants_total']} caught ({report['barriers']} barriers removed, "
+          f"{report['semantic']} bounds moved) in {report['seconds']} s")
     for m in report["mutants"]:
-        print(f"  {m['file']}:{m['line']}  {'caught' if m['caught'] else 'MISSED'}  {m['how'][:110]}")
-    assert report["barriers"] >= 20
-    missed = [f"{m['file']}:{m['line']}" for m in report["mutants"] if not m["caught"]]
-    assert not missed, f"barriers whose removal the suite does not see: {missed}"
+        print(f"  {m['file']}:{m['line']}  {m['mutant'][:44]:44s}  {'caught' if m['caught'] else 'MISSED'}  "
+              f"{m['how'][:80]}")
+    assert report["barriers"] >= 20 and report["semantic"] >= 15
+    missed = [f"{m['file']}:{m['line']} ({m['mutant']})" for m in report["mutants"] if not m["caught"]]
+    assert not missed, f"mutants the suite does not see: {missed}"

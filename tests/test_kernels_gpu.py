@@ -17,6 +17,7 @@ pytest.importorskip("cuda.bindings")
 from kernel_harness.cases import KINDS, STATE_KEYS, CudaBackend, assert_same, cpu_copy, make_case  # noqa: E402
 
 from hisparse.datapath import resolve_reference  # noqa: E402
+from hisparse.errors import InvalidArgumentError  # noqa: E402
 from hisparse.kernels import launch, ops  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -210,8 +211,32 @@ def test_resolve_rejects_bad_inputs():
         ("out", case["topk"], "overlap"),
     ]
     for key, value, message in bad:
-        with pytest.raises(ValueError, match=message):
-            ops.resolve(group=0, **{**case, key: value})
+        with pytest.raises(InvalidArgumentError, match=message):  # what the CPU reference raises
+            ops.resolve(**{"group": 0, **case, key: value})
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_an_empty_selection_resolves_as_on_the_cpu():
+    """topk [R, 0] (and [0, K]): no state changes, no misses, as the CPU reference does (no ConfigError)."""
+    case = make_case(2, H=64, K=32)
+    R = case["topk"].shape[0]
+    for shape in ((R, 0), (0, 32)):
+        ref, dev = cpu_copy(case), gpu_copy(case)
+        ref["topk"], dev["topk"] = torch.zeros(shape, dtype=torch.int32), torch.zeros(shape, dtype=torch.int32).cuda()
+        ref["row_state"] = ref["row_state"][: shape[0]].clone()
+        dev["row_state"] = dev["row_state"][: shape[0]].clone()
+        ref["out"] = torch.zeros(shape, dtype=torch.int32)
+        dev["out"] = torch.zeros(shape, dtype=torch.int32, device="cuda")
+        dev["miss_plan"] = torch.zeros(0, 2, dtype=torch.int64, device="cuda")
+        dev["miss_count"] = torch.full((shape[0],), 7, dtype=torch.int32, device="cuda")
+        resolve_reference(group=0, **ref)
+        ops.resolve(group=0, **dev)
+        ops.replay(miss_plan=dev["miss_plan"], miss_count=dev["miss_count"], gpu_layers=dev["gpu_layers"],
+                   host_layers=dev["host_layers"])
+        torch.cuda.synchronize()
+        assert_same(dev, ref, (*STATE_KEYS, "gpu_layers", "host_layers"))
+        assert int(dev["miss_count"].abs().sum()) == 0
 
 
 @pytest.mark.gpu

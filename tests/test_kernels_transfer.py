@@ -63,17 +63,39 @@ def test_layers_must_pair_up():
         page_copies([(0, 0)], gpu_layers=[0, 64], host_layers=[0], block_bytes=16, to_host=True)
 
 
+def gpu_layers_like(kind: str, cpu: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
+    """``cpu``'s layers on the device (or pinned), laid out as ``kind`` says: views of one [L, rows, rb] tensor, as
+    DataPath allocates them (one 2D copy spans every layer), or layers at uneven distances (a copy per layer).
+    Separately allocated tensors are not enough for the latter: torch's allocator often spaces them evenly."""
+    if kind == "one":
+        stacked = torch.stack(cpu)
+        return list(stacked.pin_memory() if pinned else stacked.cuda())
+    gaps = [256 * (i + 1) for i in range(len(cpu))]
+    arena = torch.empty(sum(t.numel() for t in cpu) + sum(gaps), dtype=torch.uint8,
+                        **(dict(pin_memory=True) if pinned else dict(device="cuda")))
+    out, at = [], 0
+    for t, gap in zip(cpu, gaps, strict=True):
+        at += gap
+        out.append(arena[at:at + t.numel()].view(t.shape).copy_(t))
+        at += t.numel()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["one", "separate"])
 def test_page_mover_restores_and_materializes_like_copy_blocks(kind):
     from hisparse.kernels.transfer import PageMover
 
-    gpu_cpu, host = layers(kind, 16 * BS, 1), [t.pin_memory() for t in layers(kind, 24 * BS, 2)]
-    gpu = [t.cuda() for t in gpu_cpu]
-    want_gpu, want_host = [t.clone() for t in gpu_cpu], [t.clone() for t in host]
+    gpu_cpu, host_cpu = layers(kind, 16 * BS, 1), layers(kind, 24 * BS, 2)
+    gpu, host = gpu_layers_like(kind, gpu_cpu, pinned=False), gpu_layers_like(kind, host_cpu, pinned=True)
+    want_gpu, want_host = [t.clone() for t in gpu_cpu], [t.clone() for t in host_cpu]
     mover = PageMover(gpu, host, BS)
     restores, copies = [(1, 2), (2, 3), (7, 0)], [(3, 5), (4, 6), (9, 11)]
+    # The multi-layer layout DataPath uses moves each run of blocks in one copy of height L.
+    planned = mover.copies(restores, to_host=False) + mover.copies(copies, to_host=True)
+    assert all(c.height == (L if kind == "one" else 1) for c in planned)
+    assert len(planned) == (1 if kind == "one" else L) * 4  # runs: (1-2, 2-3), (7, 0), (3-4, 5-6), (9, 11)
     for pairs, to_host in ((restores, False), (copies, True)):
         table = torch.tensor(pairs, dtype=torch.int64)
         _core._ref_copy(buf(table), BS, RB, to_host, [buf(t) for t in want_gpu], [buf(t) for t in want_host])
@@ -84,3 +106,23 @@ def test_page_mover_restores_and_materializes_like_copy_blocks(kind):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, want_gpu, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(host, want_host, strict=True))
     assert torch.equal(to_device_async([5, 6], torch.int32, gpu[0].device).cpu(), torch.tensor([5, 6]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_forward_waits_for_restores_but_not_for_materializations():
+    """A long copy to the host in flight; a restore after it: the current stream passes the restore's event while
+    the copy to the host still runs (one stream per direction, the wait recorded right after the restores)."""
+    from hisparse.kernels.transfer import PageMover
+
+    blocks, bs, rb = 1024, 64, 4096  # 256 MiB a side: milliseconds of DMA
+    gpu = list(torch.zeros(1, blocks * bs, rb, dtype=torch.uint8, device="cuda"))
+    host = list(torch.zeros(1, blocks * bs, rb, dtype=torch.uint8).pin_memory())
+    mover = PageMover(gpu, host, bs)
+    done = mover.materialize([(b, b) for b in range(1, blocks)])
+    mover.restore([(0, 0)])
+    after_restore = torch.cuda.Event()
+    after_restore.record()
+    after_restore.synchronize()
+    assert not done.query(), "the current stream waited for the copies to the host"
+    done.synchronize()

@@ -297,11 +297,17 @@ class HeatSummaryInFlight:
         device = tensors[0].device
         pin = device.type == "cuda"
         out._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
-        for host, t in zip(out._host, tensors, strict=True):
-            host.copy_(t, non_blocking=pin)
-        if pin:
-            out._event = torch.cuda.Event()
-            out._event.record()
+        if not pin:
+            for host, t in zip(out._host, tensors, strict=True):
+                host.copy_(t)
+        else:
+            # On the tensors' device (the current device may be another): the copies and their event on its
+            # current stream, after the ranking.
+            with torch.cuda.device(device):
+                for host, t in zip(out._host, tensors, strict=True):
+                    host.copy_(t, non_blocking=True)
+                out._event = torch.cuda.Event()
+                out._event.record(torch.cuda.current_stream(device))
         out._shape = shape
         return out
 
@@ -506,10 +512,10 @@ class DataPath:
 
         On CPU one Rust call does it all and the copies are done when it returns (returns None). On CUDA the
         plan's flat form crosses once, through pinned memory, and torch scatters it on the current stream; the
-        page copies run as DMA on a side stream (``kernels.transfer.PageMover``): restores land before the next
-        forward, and the returned event (None without page copies) passes once the copies to the host are
-        durable. Nothing waits for the device. Either way every entry is checked against the layout first: a
-        plan from a manager sized differently is refused before anything is written.
+        page copies run as DMA on two side streams, one per direction (``kernels.transfer.PageMover``):
+        restores land before the next forward, and the returned event (None without page copies) passes once
+        the copies to the host are durable. Nothing waits for the device. Either way every entry is checked
+        against the layout first: a plan from a manager sized differently is refused before anything is written.
         """
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"apply() takes a StepPlan, not {type(plan).__name__}")
@@ -597,7 +603,7 @@ class DataPath:
         return None
 
     def _page_mover(self):
-        """The side stream's page mover of this slab and pool (built again if either was replaced)."""
+        """The page mover (side streams) of this slab and pool (built again if either was replaced)."""
         from .kernels.transfer import PageMover
 
         key = (self.gpu, self.host)

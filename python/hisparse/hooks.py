@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, HeatSummaryInFlight, Layout
+from .datapath import DataPath, HeatSummaryInFlight, Layout, _to_device
 from .errors import InvalidArgumentError, UnknownRequestError
 
 __all__ = [
@@ -413,9 +413,10 @@ class _LaggedCounters:
             now = self._read_cpu(counters)
         else:
             host = torch.empty(3, dtype=torch.int64, pin_memory=True)
-            host.copy_(counters, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            with torch.cuda.device(self.device):  # the data path's device, whichever is current
+                host.copy_(counters, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
             self.pending.append((host, event))
             now = self.last
             while self.pending and self.pending[0][1].query():
@@ -521,7 +522,7 @@ class WorkerHooks:
         """``row_state`` for :meth:`resolve`: int32 state rows, -1 for ``None`` (padding rows)."""
         step = self._need_step("rows()")
         rows = [-1 if r is None else step.request(r).row for r in request_ids]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        return _to_device(torch.tensor(rows, dtype=torch.int32), self.device)  # pinned: the host does not wait
 
     def slot_mapping(self) -> torch.Tensor:
         """The GPU rows where the step writes its new KV, every token of every scheduled request in the step's
@@ -564,7 +565,7 @@ class WorkerHooks:
                 rows.dim() != 1:
             raise InvalidArgumentError(f"rows must be a 1-D integer tensor, not {rows.dtype} {list(rows.shape)}")
         s = self.layout.max_running
-        rows = rows.to(device=self.device, dtype=torch.int64)
+        rows = _to_device(rows.to(torch.int64), self.device)
         if self.device.type == "cpu":
             if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= s):
                 raise InvalidArgumentError(f"rows must be state rows in -1..{s - 1}")
@@ -610,7 +611,7 @@ class WorkerHooks:
         same group.
         """
         self._need_step("resolve()")
-        return self.dp.resolve(self._positions(topk).to(self.device), self._row_state(rows), group)
+        return self.dp.resolve(_to_device(self._positions(topk), self.device), self._row_state(rows), group)
 
     def gather(self, row_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """Dense rows [batch rows, top_k, row_bytes] uint8 of one layer, in top-K order; zeros for -1."""

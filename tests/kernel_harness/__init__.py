@@ -10,7 +10,8 @@ cases. It runs in ``make test`` and needs only g++.
   records that ``hisparse.kernels.ops`` builds for the GPU: the same arguments, grids and shared memory.
 - ``cases.py``: the case kinds, each run through the kernels and the reference and compared.
 - ``run.py``: a suite of cases as a command, so that a kernel that faults takes down a subprocess, not pytest.
-- ``mutate.py``: the barrier-mutation check: each ``__syncthreads()`` removed in turn must make the suite fail.
+- ``mutate.py``: the mutation check: each barrier removed in turn (``__syncthreads()``, and ``__syncthreads_or(x)``
+  made the thread's own ``x``), and each bound the kernels check moved by one, must make the suite fail.
 
 What it cannot see: the GPU's weak memory ordering (fibers share one coherent CPU memory, so a missing
 ``volatile`` or fence goes unnoticed), races between CTAs (they run one after another), and speed. What it sees
@@ -22,7 +23,8 @@ Adding a kernel file (say ``cuda/plan.cu``): list it with its kernels in ``compi
 anyway) and in ``rust/python/src/lib.rs``'s embedded sources, give ``ops.py`` a ``*_launches`` function, and add a
 case kind to ``cases.py`` that runs those launches and compares the result with the reference. The build, the
 GPU tests (which run every kind on the device) and the mutation check pick the rest up by themselves; the
-mutation check fails until some kind catches the removal of each of the new file's barriers.
+mutation check fails until some kind catches the removal of each of the new file's barriers. List the new
+kernels' bounds checks in ``mutate.SEMANTIC`` and give each a case that draws its exact bound.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ def make_case(
     from_hot: bool = False,
     full_seq: bool = False,
     hits_without_host: int | None = None,
+    gpu_blocks_at_least: int = 0,
 ) -> dict:
     """Random CPU state and inputs for resolve.
 
@@ -60,11 +61,12 @@ def make_case(
     (all hits when nothing is resident); ``full_seq`` makes every request P * bs tokens long;
     ``hits_without_host = g`` takes the host copy from every page that group g caches and selects from cached
     positions and pages with a host copy only: the request succeeds only if no hit is mistaken for a miss.
+    ``gpu_blocks_at_least`` makes the slab that many blocks at least (the tables still name only some of them).
     Padding rows get any negative state row.
     """
     rng = random.Random(seed)
     HB = math.ceil(H / bs)
-    gpu_blocks = 1 + S * (P + HB)
+    gpu_blocks = max(1 + S * (P + HB), gpu_blocks_at_least)
     blocks = list(range(1, gpu_blocks))
     rng.shuffle(blocks)
     free = iter(blocks)
@@ -148,11 +150,12 @@ def cpu_copy(case: dict) -> dict:
 def _selected(case: dict, group: int) -> dict[int, tuple[list[int], list[int], list[int]]]:
     """Per state row the batch selects: its selected (resident, hit, miss) positions in group ``group``."""
     bs = case["block_size"]
+    P = case["block_table"].shape[1]
     out: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for i, r in enumerate(case["row_state"].tolist()):
         if r < 0:
             continue
-        n = int(case["seq_lens"][r])
+        n = min(max(int(case["seq_lens"][r]), 0), P * bs)  # clamped as resolve clamps it (it may be corrupt)
         cached = set(case["hot_pos"][r, group].tolist())
         resident, hits, misses = out.setdefault(r, ([], [], []))
         for p in case["topk"][i].tolist():
@@ -161,42 +164,81 @@ def _selected(case: dict, group: int) -> dict[int, tuple[list[int], list[int], l
     return out
 
 
-def corrupt(case: dict, what: str, rng: random.Random, group: int) -> None:
-    """Breaks the state the way ``what`` names (SPEC.md's status bits 4 and 8), where resolving ``group`` reads
-    it: a selected page, the hot region of a request that uses it, a miss's host copy."""
+def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int, int] | None:
+    """Breaks the state the way ``what`` names (SPEC.md's status bits 1, 4 and 8), where resolving ``group`` reads
+    it: a selected page, the hot region of a request that uses it, a miss's host copy. The request is one that
+    reaches the check: it selects what is broken and, for the hot state and host copies, uses a hot region it does
+    not overflow. Returns (state row, the status bit the corruption must raise), or None when no request of the
+    case qualifies (nothing changed). Bounds are drawn exactly half the time: an off-by-one check passes the rest.
+    """
     S, P = case["block_table"].shape
     _, G, H = case["hot_pos"].shape
     bs = case["block_size"]
+    HB = case["hot_blocks"].shape[1]
     gpu_blocks = case["gpu_layers"][0].shape[0] // bs
     host_blocks = case["host_layers"][0].shape[0] // bs
-    selected = _selected(case, group)
-    if not selected:
-        return
-    r = rng.choice(sorted(selected))
-    resident, hits, misses = selected[r]
+
+    def uses_hot_region(r: int, sel: tuple[list[int], list[int], list[int]]) -> bool:
+        return 0 < len(set(sel[1] + sel[2])) <= H and int(case["hot_blocks"][r, 0]) != 0
+
+    def qualifies(r: int, sel: tuple[list[int], list[int], list[int]]) -> bool:
+        resident, hits, misses = sel
+        if what == "seq_len":
+            return True
+        if what == "block":
+            return bool(resident + misses)
+        if what == "host_block":
+            return bool(misses) and uses_hot_region(r, sel)
+        if what == "hot_block_twice" and HB < 2:
+            return False
+        return uses_hot_region(r, sel) and H > 1
+
+    candidates = sorted(r for r, sel in _selected(case, group).items() if qualifies(r, sel))
+    if not candidates:
+        return None
+    r = rng.choice(candidates)
+    resident, hits, misses = _selected(case, group)[r]
+    exact = rng.random() < 0.5
     if what == "seq_len":
-        case["seq_lens"][r] = rng.choice([P * bs + rng.randint(1, 3 * bs), -rng.randint(1, 5)])
-    elif what == "block" and resident + misses:
+        case["seq_lens"][r] = rng.choice([P * bs + 1 if exact else P * bs + rng.randint(2, 3 * bs),
+                                          -1 if exact else -rng.randint(2, 5)])
+        return r, HS_BAD_TABLE
+    if what == "block":
         pos = rng.choice(resident + misses)
-        case["block_table"][r, pos // bs] = rng.choice([gpu_blocks, gpu_blocks + 7, -1, -(2**31)])
-    elif what == "hot_block":
-        case["hot_blocks"][r, rng.randrange(case["hot_blocks"].shape[1])] = rng.choice([gpu_blocks, -3, 0])
-    elif what == "lru_range":
-        case["hot_lru"][r, group, rng.randrange(H)] = rng.choice([H, H + 5, -2, 2**30])
-    elif what == "lru_twice" and H > 1:
+        case["block_table"][r, pos // bs] = gpu_blocks if exact else rng.choice([gpu_blocks + 7, -1, -(2**31)])
+        return r, HS_BAD_TABLE
+    if what == "hot_block":
+        b = rng.randrange(HB)
+        value = gpu_blocks if exact else rng.choice([-3, 0])
+        case["hot_blocks"][r, b] = value
+        return r, HS_OVERFLOW if b == 0 and value == 0 else HS_BAD_HOT  # no hot region at all
+    if what == "hot_block_twice":
+        a, b = rng.sample(range(HB), 2)
+        case["hot_blocks"][r, a] = case["hot_blocks"][r, b]
+        return r, HS_BAD_HOT
+    if what == "lru_range":
+        case["hot_lru"][r, group, rng.randrange(H)] = H if exact else rng.choice([H + 5, -2, 2**30])
+        return r, HS_BAD_HOT
+    if what == "lru_twice":
         a, b = rng.sample(range(H), 2)
         case["hot_lru"][r, group, a] = case["hot_lru"][r, group, b]
-    elif what == "hot_pos_twice" and hits + misses and H > 1:
+        return r, HS_BAD_HOT
+    if what == "hot_pos_twice":
         pos = rng.choice(hits + misses)
         held = (case["hot_pos"][r, group] == pos).nonzero().flatten().tolist()
         for slot in rng.sample([s for s in range(H) if s not in held], 2 - min(len(held), 1)):
             case["hot_pos"][r, group, slot] = pos
-    elif what == "host_block" and misses:
+        return r, HS_BAD_HOT
+    if what == "host_block":
         pos = rng.choice(misses)
-        case["host_table"][r, pos // bs] = host_blocks + rng.randint(0, 3)
+        case["host_table"][r, pos // bs] = host_blocks if exact else host_blocks + rng.randint(1, 3)
+        return r, HS_BAD_TABLE
+    raise ValueError(f"unknown corruption {what!r}")
 
 
-CORRUPTIONS = ("seq_len", "block", "hot_block", "lru_range", "lru_twice", "hot_pos_twice", "host_block")
+CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "lru_range", "lru_twice", "hot_pos_twice",
+               "host_block")
+HS_OVERFLOW, HS_NO_HOST_COPY, HS_BAD_TABLE, HS_BAD_HOT = 1, 2, 4, 8  # SPEC.md's status bits
 
 
 # ---------------------------------------------------------------------------------------------- comparisons
@@ -209,9 +251,15 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         dev = ops._device(index)
         self.sm_count, self.max_smem = dev.sm_count, dev.max_smem
+        # Launch records hold raw addresses (a layer table's, say): the tensors behind them must outlive the
+        # launch, or torch's caching allocator hands their memory to the next tensor, as the CPU harness's
+        # guarded buffers are kept until free().
+        self._held: list[torch.Tensor] = []
 
     def tensor(self, like: torch.Tensor, host: bool = False) -> torch.Tensor:
-        return like.clone().pin_memory() if host else like.to(self.device)
+        t = like.clone().pin_memory() if host else like.to(self.device)
+        self._held.append(t)
+        return t
 
     def run(self, launches, seed: int, preempt: float) -> None:
         ops._run(self.device.index, launches)
@@ -221,7 +269,7 @@ class CudaBackend:
         return 0  # no guard zones on the device; every byte of every tensor is compared instead
 
     def free(self) -> None:
-        pass
+        self._held.clear()
 
 
 def _differ(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -269,9 +317,11 @@ class Device:
 
 
 def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float, rows_per_request: int = 1,
-                max_smem: int = SMEM_SM90, resolve_layers: int | None = None) -> None:
+                max_smem: int = SMEM_SM90, resolve_layers: int | None = None,
+                expect: list[tuple[int, int]] = ()) -> None:
     """resolve on the harness (the call's layers first, replay for the rest) against one reference resolve over
-    every layer."""
+    every layer. ``expect``: (state row, status bit) pairs the reference must raise, so that a corruption that
+    broke nothing the call reads cannot pass for a test of the kernels' checks."""
     R, K = case["topk"].shape
     S = case["block_table"].shape[0]
     ref = cpu_copy(case)
@@ -279,6 +329,10 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
     # A state row past S is a bad argument: the kernel pads the row, the reference refuses the call.
     ref["row_state"] = torch.where(ref["row_state"] >= S, -1, ref["row_state"])
     resolve_reference(group=group, **ref)
+    for row, bit in expect:
+        if not int(ref["status"][row]) & bit:
+            raise AssertionError(f"the case is vacuous: the reference did not raise status {bit} on state row {row} "
+                                 f"(it has {int(ref['status'][row])})")
 
     dev = Device(h, case)
     t = dev.t
@@ -463,11 +517,16 @@ def _resolve_kind(params: dict, rows_per_request: int = 1, max_smem: int = SMEM_
 def _corrupt_kind(what: str):
     def run(h: Harness, seed: int, preempt: float) -> None:
         rng = random.Random(seed)
-        case = make_case(seed, S=3, R=4, H=256, K=96, P=24, bs=4, G=2, hot_fill=0.3, resident=0.3,
-                         rows_per_state=rng.choice([1, 2]))
-        group = rng.randrange(2)
-        corrupt(case, what, rng, group)
-        run_resolve(h, case, group=group, seed=seed, preempt=preempt)
+        for attempt in range(100):  # a case with a request that reaches the check (most first cases have one)
+            case = make_case(seed * 100 + attempt, S=3, R=4, H=256, K=96, P=24, bs=4, G=2, hot_fill=0.3,
+                             resident=0.3, rows_per_state=rng.choice([1, 2]))
+            group = rng.randrange(2)
+            hit = corrupt(case, what, rng, group)
+            if hit is not None:
+                break
+        else:
+            raise AssertionError(f"no case to corrupt with {what} in 100 attempts")
+        run_resolve(h, case, group=group, seed=seed, preempt=preempt, expect=[hit])
 
     return run
 
@@ -524,9 +583,13 @@ def _replay_any_plan(h: Harness, seed: int, preempt: float) -> None:
     gpu_rows, host_rows = case["gpu_layers"][0].shape[0], case["host_layers"][0].shape[0]
     gpu = rng.sample(range(gpu_rows), R * K)  # destinations distinct, as a plan's are
     plan = torch.tensor([[g, rng.randrange(host_rows)] for g in gpu], dtype=torch.int64)
-    for _ in range(4):
-        plan[rng.randrange(R * K), rng.randrange(2)] = rng.choice([-1, gpu_rows + 3, host_rows, 2**40])
-    count = torch.tensor([rng.choice([-3, 0, 5, K, K + 9]) for _ in range(R)], dtype=torch.int32)
+    for _ in range(4):  # never entry K: see below
+        e = rng.choice([e for e in range(R * K) if e != K])
+        plan[e, rng.randrange(2)] = rng.choice([-1, gpu_rows + 3, host_rows + 1, 2**40])
+    plan[1, 0], plan[2, 1] = gpu_rows, host_rows  # the exact bounds, in entries that row 0 counts
+    # Row 0 counts K + 1 (clamped to K) and row 1 none: a clamp to K + 1 would copy row 1's first pair (a valid
+    # one). The last row's K + 9 would read past the plan.
+    count = torch.tensor([K + 1, 0, rng.choice([-3, 0, 5, K, K + 9])], dtype=torch.int32)
     run_replay_plan(h, case, plan, count, seed=seed, preempt=preempt)
 
 
@@ -565,10 +628,70 @@ def _copy(unit_blocks: bool):
         pairs = [[s, d] if to_host else [d, s] for s, d in zip(src, dst, strict=True)]
         for p in rng.sample(range(n), min(n, 3)):
             pairs[p][rng.randrange(2)] = rng.choice([-1, -7, gpu_units + host_units])
+        # Each side's exact bound (skipped, as every entry outside the slab or pool is), in a random place.
+        for bound in ([gpu_units, rng.randrange(host_units)], [rng.randrange(gpu_units), host_units]):
+            pairs.insert(rng.randint(0, len(pairs)), bound)
         dtype = torch.int32 if unit_blocks else torch.int64
         run_copy(h, case, torch.tensor(pairs, dtype=dtype), unit=unit, to_host=to_host, seed=seed, preempt=preempt)
 
     return run
+
+
+def _small(seed: int, **changes) -> dict:
+    """A tiny case: 4 requests of 8 full-length pages of 4 tokens, 8 hot rows (2 hot blocks), nothing cached or
+    resident, one group and layer."""
+    return make_case(seed, **{**dict(S=4, R=4, P=8, bs=4, G=1, H=8, K=8, L=1, rb=16, hot_fill=0.0, resident=0.0,
+                                      dup=0.0, full_seq=True), **changes})
+
+
+def _bounds_resolve(h: Harness, seed: int, preempt: float) -> None:
+    """Every bound resolve checks, at its exact value, one per request (accepting it would change that request's
+    outputs, status or bytes): a block_table entry == gpu_blocks, a hot block == gpu_blocks, a host block ==
+    host_blocks, an LRU entry == H, seq_len == P * bs + 1 and -1; every row selects position P * bs (== seq_len
+    of the others); and a batch row names state row S (with S = 8 the index lands on the guard page after the
+    32-byte state vectors)."""
+    rng = random.Random(seed)
+    case = _small(seed, S=8)
+    gpu_blocks = case["gpu_layers"][0].shape[0] // 4
+    host_blocks = case["host_layers"][0].shape[0] // 4
+    case["row_state"] = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8], dtype=torch.int32)
+    case["topk"] = torch.tensor([[*rng.sample(range(8), 8), 32] for _ in range(8)], dtype=torch.int32)
+    case["block_table"][0, 1] = gpu_blocks
+    case["hot_blocks"][1, 1] = gpu_blocks
+    case["host_table"][2, 0] = host_blocks
+    case["hot_lru"][3, 0, rng.randrange(8)] = 8
+    case["seq_lens"][4] = 33
+    case["seq_lens"][5] = -1
+    run_resolve(h, case, group=0, seed=seed, preempt=preempt,
+                expect=[(0, HS_BAD_TABLE), (1, HS_BAD_HOT), (2, HS_BAD_TABLE), (3, HS_BAD_HOT), (4, HS_BAD_TABLE),
+                        (5, HS_BAD_TABLE)])
+
+
+def _bounds_invalidate(h: Harness, seed: int, preempt: float) -> None:
+    """An LRU entry == H in a row whose slot a pair empties: the LRU must be left alone."""
+    rng = random.Random(seed)
+    case = _small(seed, hot_fill=1.0)
+    case["hot_lru"][0, 0, rng.randrange(8)] = 8
+    held = [int(p) for p in case["hot_pos"][0, 0] if p >= 0]
+    pairs = torch.tensor([[0, rng.choice(held)], [4, held[0]], [1, held[0]]], dtype=torch.int32)
+    run_invalidate(h, case, pairs, seed=seed, preempt=preempt)
+
+
+def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
+    """A slab of more GPU blocks than one window of resolve's hot-block bitmap (64 ids per table entry): every
+    request's hot blocks come in pairs one window apart (one bit of the bitmap), and request 1 names a block of
+    the second window twice, which must be flagged, as the pairs must not be."""
+    rng = random.Random(seed)
+    shape = dict(S=3, R=4, P=16, bs=1, G=1, H=64, K=16, L=1, rb=16, hot_fill=0.3, resident=0.0, dup=0.0,
+                 full_seq=True)
+    window = 64 * launch.resolve_shared(top_k=16, hot_rows=64, batch_rows=4, limit=SMEM_SM90).capacity
+    case = make_case(seed, **shape, gpu_blocks_at_least=window + 3000)
+    low = rng.sample(range(1, 3000), 3 * 32)
+    for r in range(3):
+        case["hot_blocks"][r] = torch.tensor([b + w for b in low[32 * r: 32 * r + 32] for w in (0, window)],
+                                             dtype=torch.int32)
+    case["hot_blocks"][1, 5] = case["hot_blocks"][1, 3]  # odd entries lie in the second window
+    run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(1, HS_BAD_HOT)])
 
 
 def _gather(h: Harness, seed: int, preempt: float) -> None:
@@ -587,6 +710,9 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "corrupt_many": _resolve_kind({"S": 4, "R": 6, "H": 256, "K": 80, "P": 20, "bs": 4, "rows_per_state": 2,
                                    "hot_fill": 0.3}, 2, corruptions=4),
     "lru_13_of_8": _lru_13_of_8,
+    "bounds_resolve": _bounds_resolve,
+    "bounds_invalidate": _bounds_invalidate,
+    "hot_blocks_past_one_window": _hot_blocks_past_one_window,
     "bad_state_rows": _bad_state_rows,
     "sequence": _sequence,
     "replay_layers": _replay_layers,

@@ -1,12 +1,17 @@
-"""The barrier-mutation check: every ``__syncthreads();`` of ``cuda/`` removed in turn; each mutant is built and
-run through the suite until a case fails. A mutant the suite does not catch is a barrier whose removal the
-harness cannot see: either the barrier is not needed (remove it from the kernel) or the suite misses a case.
+"""The mutation check: each mutant of ``cuda/`` is built and run through the suite until a case fails.
+
+- every ``__syncthreads();`` removed in turn;
+- every ``__syncthreads_or(x)`` replaced by the thread's own ``(x)`` (no barrier, no block-wide OR);
+- ``SEMANTIC``: each bound the kernels check moved by one (``>=`` to ``>``...), and the hot-block checks undone.
+
+A mutant the suite does not catch is a barrier whose removal the harness cannot see (the barrier is not needed,
+or the suite misses a case) or a bound that no case draws at its exact value.
 
     python -m kernel_harness.mutate [--rounds N] [--jobs J]
 
-(from ``tests/``) prints one JSON object: per barrier, its file and line, whether it was caught and how. Each
-mutant runs in a child forked from this process (torch and the reference already loaded, one thread), so that a
-mutant that faults or hangs takes down only its child.
+(from ``tests/``) prints one JSON object: per mutant, its file, line and kind, whether it was caught and how.
+Each mutant runs in a child forked from this process (torch and the reference already loaded, one thread), so
+that a mutant that faults or hangs takes down only its child.
 """
 
 from __future__ import annotations
@@ -30,26 +35,75 @@ from kernel_harness.cases import KINDS
 from kernel_harness.run import run_suite
 
 BARRIER = re.compile(r"\b__syncthreads\(\);")
+BARRIER_OR = re.compile(r"\b__syncthreads_or(?=\()")
 MUTANT_SECONDS = 90  # a mutant that hangs (a probe of a table nobody cleared) is caught by the clock
 
+# (file, text, replacement, what): each text occurs once in its file (the check fails otherwise, so that an edit
+# of the kernels cannot silently retire a mutant). Each must be caught by some case drawing the exact bound.
+SEMANTIC = [
+    ("copy.cu", "gpu >= gpu_rows || host >= host_rows) continue;\n    uint4* g",
+     "gpu > gpu_rows || host >= host_rows) continue;\n    uint4* g", "copy_rows takes GPU row == rows"),
+    ("copy.cu", "gpu >= gpu_rows || host >= host_rows) continue;\n    uint4* g",
+     "gpu >= gpu_rows || host > host_rows) continue;\n    uint4* g", "copy_rows takes host row == rows"),
+    ("copy.cu", "gpu >= gpu_blocks || host >= host_blocks", "gpu > gpu_blocks || host >= host_blocks",
+     "copy_blocks takes GPU block == blocks"),
+    ("copy.cu", "gpu >= gpu_blocks || host >= host_blocks", "gpu >= gpu_blocks || host > host_blocks",
+     "copy_blocks takes host block == blocks"),
+    ("copy.cu", "gpu >= gpu_rows || host >= host_rows) continue;\n    copy_span",
+     "gpu > gpu_rows || host >= host_rows) continue;\n    copy_span", "replay takes GPU row == rows"),
+    ("copy.cu", "gpu >= gpu_rows || host >= host_rows) continue;\n    copy_span",
+     "gpu >= gpu_rows || host > host_rows) continue;\n    copy_span", "replay takes host row == rows"),
+    ("copy.cu", "min(max(count[i], 0), K)", "min(max(count[i], 0), K + 1)", "replay clamps counts to K + 1"),
+    ("copy.cu", "row < slab_rows", "row <= slab_rows", "gather reads row == rows"),
+    ("resolve.cu", "if (r < 0 || r >= S) {", "if (r < 0 || r > S) {", "resolve takes state row == S"),
+    ("resolve.cu", "min(max(raw_len, 0), P * bs)", "min(max(raw_len, 0), P * bs + 1)",
+     "resolve takes seq_len == P * bs + 1"),
+    ("resolve.cu", "min(max(raw_len, 0), P * bs)", "min(max(raw_len, -1), P * bs)", "resolve takes seq_len == -1"),
+    ("resolve.cu", "pos >= 0 && pos < len ? pos : -1", "pos >= 0 && pos <= len ? pos : -1",
+     "resolve takes position == seq_len"),
+    ("resolve.cu", "b >= 0 && b < gpu_blocks ? b : -1", "b >= 0 && b <= gpu_blocks ? b : -1",
+     "resolve takes block_table entry == gpu_blocks"),
+    ("resolve.cu", "hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;", "hb_row[b] <= 0 || hb_row[b] > gpu_blocks;",
+     "resolve takes hot block == gpu_blocks"),
+    ("resolve.cu", "bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;", "atomicOr(&seen[id >> 5], m);",
+     "resolve takes a hot block named twice"),
+    ("resolve.cu", "w < (u32)gpu_blocks; w += window_ids", "w < window_ids; w += window_ids",
+     "resolve checks the first window of hot blocks only"),
+    ("resolve.cu", "host_block >= host_blocks ? HS_BAD_TABLE", "host_block > host_blocks ? HS_BAD_TABLE",
+     "resolve takes host block == host_blocks"),
+    ("resolve.cu", "      if (s >= (u32)H) {\n        bad = true;", "      if (s > (u32)H) {\n        bad = true;",
+     "resolve takes LRU entry == H"),
+    ("resolve.cu", "    if (s >= (u32)H) {\n      bad = true;", "    if (s > (u32)H) {\n      bad = true;",
+     "invalidate takes LRU entry == H"),
+]
 
-def barriers(cuda_dir: Path = CUDA_DIR) -> list[tuple[str, int, int]]:
-    """(file name, offset, line) of every __syncthreads(); statement."""
+
+def mutants(cuda_dir: Path = CUDA_DIR) -> list[tuple[dict, str, str]]:
+    """(label, file name, mutated text) of every mutant; raises if a SEMANTIC text is not found exactly once."""
     out = []
-    for f in sorted(cuda_dir.glob("*.cu*")):
-        text = f.read_text()
-        out += [(f.name, m.start(), text.count("\n", 0, m.start()) + 1) for m in BARRIER.finditer(text)]
+    texts = {f.name: f.read_text() for f in sorted(cuda_dir.glob("*.cu*"))}
+    for name, text in texts.items():
+        for pattern, replacement, what in ((BARRIER, "/* mutant: barrier removed */;", "__syncthreads() removed"),
+                                           (BARRIER_OR, "/* mutant: no barrier */", "__syncthreads_or(x) -> (x)")):
+            for m in pattern.finditer(text):
+                mutated = text[:m.start()] + replacement + text[m.end():]
+                out.append(({"file": name, "line": text.count("\n", 0, m.start()) + 1, "mutant": what}, name,
+                            mutated))
+    for name, old, new, what in SEMANTIC:
+        text = texts[name]
+        if text.count(old) != 1:
+            raise ValueError(f"semantic mutant {what!r}: its text occurs {text.count(old)} times in {name}, not once")
+        out.append(({"file": name, "line": text[:text.index(old)].count("\n") + 1, "mutant": what}, name,
+                    text.replace(old, new)))
     return out
 
 
-def mutant(name: str, offset: int, workdir: Path) -> Path:
-    """A copy of cuda/ with the barrier at ``offset`` of ``name`` removed; returns its built library."""
-    folder = Path(tempfile.mkdtemp(prefix=f"{name}-{offset}-", dir=workdir))
+def build_mutant(name: str, text: str, workdir: Path) -> Path:
+    """A copy of cuda/ with ``name`` holding ``text``; returns its built library."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
     for f in CUDA_DIR.glob("*.cu*"):
         shutil.copy(f, folder / f.name)
-    text = (folder / name).read_text()
-    rest = text[offset + len("__syncthreads();"):]
-    (folder / name).write_text(text[:offset] + "/* mutant: barrier removed */;" + rest)
+    (folder / name).write_text(text)
     return build(folder, folder=workdir / "objects")
 
 
@@ -107,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hisparse-mutants-") as tmp:
         workdir = Path(tmp)
         build(folder=workdir / "objects")  # the objects every mutant shares, built once
-        todo = barriers()
+        todo = mutants()
         running: list[tuple[dict, int, int, float]] = []
         while todo or running:
             while todo and len(running) < args.jobs:
-                name, offset, line = todo.pop(0)
-                pid, fd = start_child(mutant(name, offset, workdir), args.rounds)
-                running.append(({"file": name, "line": line}, pid, fd, time.monotonic()))
+                label, name, text = todo.pop(0)
+                pid, fd = start_child(build_mutant(name, text, workdir), args.rounds)
+                running.append((label, pid, fd, time.monotonic()))
             entry, pid, fd, began = running.pop(0)
             how, report = finish_child(pid, fd, began + MUTANT_SECONDS)
             entry["seconds"] = round(time.monotonic() - began, 1)
@@ -128,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             results.append(entry)
     results.sort(key=lambda e: (e["file"], e["line"]))
     report = {
-        "barriers": len(results),
+        "mutants_total": len(results),
+        "barriers": sum(r["mutant"] == "__syncthreads() removed" for r in results),
+        "semantic": len(SEMANTIC),
         "caught": sum(r["caught"] for r in results),
         "seconds": round(time.monotonic() - start, 1),
         "mutants": results,
     }
     print(json.dumps(report))
-    return 0 if report["caught"] == report["barriers"] else 1
+    return 0 if report["caught"] == report["mutants_total"] else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Launchers of the hisparse CUDA kernels on torch tensors; cuda/SPEC.md is their contract.
 
 Every launcher takes keyword arguments only, validates dtypes, shapes, devices and contiguity (raising
-ValueError; ConfigError, a ValueError, for sizes no launch can take), and enqueues its kernels on
+InvalidArgumentError, as the CPU reference does; ConfigError for sizes no launch can take: both are ValueErrors),
+and enqueues its kernels on
 ``torch.cuda.current_stream()``. None of them waits for the GPU, so they can be captured in CUDA graphs once
 each call has run eagerly with the same shapes and layers: the first launch on a device compiles (or loads
 from the disk cache) and loads the kernels, and the first launch with a set of layers builds the device table
@@ -20,19 +21,18 @@ the CPU, so the packing and sizing of every launch is tested where no GPU is.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from cuda.bindings import driver
 
-from hisparse.errors import ConfigError
+from hisparse.errors import ConfigError, InvalidArgumentError
+from hisparse.kernels import cuda_context
 from hisparse.kernels import launch as sizes
 from hisparse.kernels.compiler import KERNELS, compile_kernel_source, select_arch
 
@@ -56,20 +56,15 @@ class KernelLaunch:
     args: tuple
 
 
-def _drv(result: tuple, what: str):
-    err, *values = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {err.name}")
-    return values[0] if len(values) == 1 else tuple(values)
+_drv = cuda_context.call
 
 
 class _Device:
     """Modules, functions and limits of one GPU, in its primary context (the one torch uses)."""
 
     def __init__(self, index: int) -> None:
-        _drv(driver.cuInit(0), "cuInit")
-        device = _drv(driver.cuDeviceGet(index), "cuDeviceGet")
-        self.context = _drv(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        self.index = index
+        device = cuda_context.device(index)
         self.arch = select_arch(
             torch.cuda.get_device_capability(index), _drv(driver.cuDriverGetVersion(), "cuDriverGetVersion")
         )
@@ -93,18 +88,9 @@ class _Device:
                 for name in kernels:
                     self._functions[name] = _drv(driver.cuModuleGetFunction(module, name.encode()), name)
 
-    @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
-        """Makes this device's context current for the driver calls inside: the calling thread may have
-        another device's context current, or none if it never made a CUDA runtime call."""
-        if int(_drv(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) == int(self.context):
-            yield
-            return
-        _drv(driver.cuCtxPushCurrent(self.context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            _drv(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+    def current(self):
+        """This device's primary context, current for the driver calls inside (see ``cuda_context``)."""
+        return cuda_context.current(self.index)
 
     def function(self, kernel: str, smem: int) -> driver.CUfunction:
         """The kernel, allowed ``smem`` bytes of dynamic shared memory (call with this context current)."""
@@ -155,25 +141,25 @@ def _run(index: int, launches: list[KernelLaunch]) -> None:
 def _check(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device | None) -> torch.Tensor:
     """``shape`` entries of None match any size; device None means a CPU tensor."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+        raise InvalidArgumentError(f"{name} must have dtype {dtype}, got {t.dtype}")
     if len(t.shape) != len(shape) or any(
         want is not None and want != got for want, got in zip(shape, t.shape, strict=True)
     ):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+        raise InvalidArgumentError(f"{name} must have shape {want}, got {list(t.shape)}")
     where = device if device is not None else torch.device("cpu")
     if t.device != where:
-        raise ValueError(f"{name} must be on {where}, got {t.device}")
+        raise InvalidArgumentError(f"{name} must be on {where}, got {t.device}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+        raise InvalidArgumentError(f"{name} must be contiguous")
     return t
 
 
 def _cuda_device(name: str, t) -> torch.device:
     if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-        raise ValueError(f"{name} must be a CUDA tensor")
+        raise InvalidArgumentError(f"{name} must be a CUDA tensor")
     return t.device
 
 
@@ -183,7 +169,7 @@ def _disjoint(**tensors: torch.Tensor) -> None:
                    for name, t in tensors.items() if t.numel())
     for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
-            raise ValueError(f"{a} and {b} overlap in memory")
+            raise InvalidArgumentError(f"{a} and {b} overlap in memory")
 
 
 def _below_int32(**values: int) -> None:
@@ -207,21 +193,21 @@ class Layers:
 def _layer_table(device: torch.device, gpu_layers: list[torch.Tensor], host_layers: list[torch.Tensor]) -> Layers:
     """The device array [GPU slab addresses..., host pool addresses...] of the layers, and their sizes."""
     if not isinstance(gpu_layers, (list, tuple)) or not isinstance(host_layers, (list, tuple)):
-        raise ValueError("gpu_layers and host_layers must be lists of tensors")
+        raise InvalidArgumentError("gpu_layers and host_layers must be lists of tensors")
     if len(gpu_layers) == 0 or len(gpu_layers) != len(host_layers):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"gpu_layers and host_layers must be non-empty and of equal length, got {len(gpu_layers)} and "
             f"{len(host_layers)}"
         )
     gpu_rows, rb = _check("gpu_layers[0]", gpu_layers[0], torch.uint8, (None, None), device).shape
     if rb == 0 or rb % _CHUNK:
-        raise ValueError(f"row bytes must be a positive multiple of {_CHUNK}, got {rb}")
+        raise InvalidArgumentError(f"row bytes must be a positive multiple of {_CHUNK}, got {rb}")
     host_rows = _check("host_layers[0]", host_layers[0], torch.uint8, (None, rb), None).shape[0]
     for layers, where, rows in ((gpu_layers, device, gpu_rows), (host_layers, None, host_rows)):
         for i, t in enumerate(layers):
             name = f"{'gpu' if where is not None else 'host'}_layers[{i}]"
             if _check(name, t, torch.uint8, (rows, rb), where).data_ptr() % _CHUNK:
-                raise ValueError(f"{name} must be {_CHUNK}-byte aligned")
+                raise InvalidArgumentError(f"{name} must be {_CHUNK}-byte aligned")
     _below_int32(gpu_rows=gpu_rows, host_rows=host_rows)
     key = (device.index, *(t.data_ptr() for t in gpu_layers), *(t.data_ptr() for t in host_layers))
     capturing = torch.cuda.is_current_stream_capturing()
@@ -242,7 +228,7 @@ def _layer_table(device: torch.device, gpu_layers: list[torch.Tensor], host_laye
         addresses = [t.data_ptr() for t in gpu_layers]
         for i, t in enumerate(host_layers):
             if not t.is_pinned():
-                raise ValueError(f"host_layers[{i}] must be pinned (pin_memory())")
+                raise InvalidArgumentError(f"host_layers[{i}] must be pinned (pin_memory())")
             # The address kernels use for this pinned memory (the host address itself under unified
             # addressing, which every 64-bit CUDA platform has).
             with _device(device.index).current():
@@ -391,11 +377,11 @@ def resolve(
     S, P = _check("block_table", block_table, i32, (None, None), device).shape
     _, G, H = _check("hot_pos", hot_pos, i32, (S, None, None), device).shape
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        raise InvalidArgumentError(f"block_size must be a positive integer, got {block_size!r}")
     if isinstance(rows_per_request, bool) or not isinstance(rows_per_request, int) or rows_per_request <= 0:
-        raise ValueError(f"rows_per_request must be a positive integer, got {rows_per_request!r}")
+        raise InvalidArgumentError(f"rows_per_request must be a positive integer, got {rows_per_request!r}")
     if H == 0:
-        raise ValueError("hot_pos must have at least one hot row")
+        raise InvalidArgumentError("hot_pos must have at least one hot row")
     HB = math.ceil(H / block_size)
     _check("row_state", row_state, i32, (R,), device)
     _check("seq_lens", seq_lens, i32, (S,), device)
@@ -407,15 +393,17 @@ def resolve(
     _check("counters", counters, torch.int64, (3,), device)
     _check("out", out, i32, (R, K), device)
     if (miss_plan is None) != (miss_count is None):
-        raise ValueError("miss_plan and miss_count go together")
+        raise InvalidArgumentError("miss_plan and miss_count go together")
     if miss_plan is not None:
         _check("miss_plan", miss_plan, torch.int64, (R * K, 2), device)
         _check("miss_count", miss_count, i32, (R,), device)
     if not 0 <= group < G:
-        raise ValueError(f"group must be in [0, {G}), got {group}")
+        raise InvalidArgumentError(f"group must be in [0, {G}), got {group}")
     lay = _layer_table(device, gpu_layers, host_layers)
     _below_int32(**{"R * K * layers": R * K * lay.count, "P * block_size": P * block_size})
-    if R == 0:
+    if R == 0 or K == 0:  # nothing selected: no state changes (as in the CPU reference), no misses
+        if miss_count is not None:
+            miss_count.zero_()
         return
     if miss_plan is None:  # scratch from the caching allocator, stream-ordered (and graph-safe)
         miss_plan = torch.empty(R * K, 2, dtype=torch.int64, device=device)
@@ -444,10 +432,12 @@ def replay(
     device = _cuda_device("miss_plan", miss_plan)
     (R,) = _check("miss_count", miss_count, torch.int32, (None,), device).shape
     rows = _check("miss_plan", miss_plan, torch.int64, (None, 2), device).shape[0]
-    if R == 0 or rows % R:
-        raise ValueError(f"miss_plan must have R * K rows for R = {R} batch rows, got {rows}")
+    if rows % max(R, 1) or (R == 0 and rows):
+        raise InvalidArgumentError(f"miss_plan must have R * K rows for R = {R} batch rows, got {rows}")
     lay = _layer_table(device, gpu_layers, host_layers)
     _below_int32(**{"R * K * layers": rows * lay.count})
+    if rows == 0:  # no batch rows, or K == 0: no pair to copy
+        return
     dev = _device(device.index)
     _run(device.index, replay_launches(miss_plan=miss_plan, miss_count=miss_count, layers=lay.table.data_ptr(),
                                        num_layers=lay.count, row_bytes=lay.row_bytes, gpu_rows=lay.gpu_rows,
@@ -461,12 +451,12 @@ def gather(*, row_ids: torch.Tensor, slab: torch.Tensor, out: torch.Tensor | Non
     R, K = _check("row_ids", row_ids, torch.int32, (None, None), device).shape
     rows, rb = _check("slab", slab, torch.uint8, (None, None), device).shape
     if rb == 0 or rb % _CHUNK or slab.data_ptr() % _CHUNK:
-        raise ValueError(f"slab rows must be a positive multiple of {_CHUNK} bytes, {_CHUNK}-byte aligned")
+        raise InvalidArgumentError(f"slab rows must be a positive multiple of {_CHUNK} bytes, {_CHUNK}-byte aligned")
     if out is None:
         out = torch.empty((R, K, rb), dtype=torch.uint8, device=device)
     _check("out", out, torch.uint8, (R, K, rb), device)
     if out.data_ptr() % _CHUNK:
-        raise ValueError(f"out must be {_CHUNK}-byte aligned")
+        raise InvalidArgumentError(f"out must be {_CHUNK}-byte aligned")
     _below_int32(**{"R * K": R * K, "slab rows": rows})
     if R * K:
         launches = gather_launches(row_ids=row_ids, slab=slab, out=out, sm_count=_device(device.index).sm_count)
@@ -503,7 +493,7 @@ def copy_blocks(
     device = _cuda_device("pairs", pairs)
     (n, _) = _check("pairs", pairs, torch.int32, (None, 2), device).shape
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        raise InvalidArgumentError(f"block_size must be a positive integer, got {block_size!r}")
     lay = _layer_table(device, gpu_layers, host_layers)
     _below_int32(**{"pairs * layers": n * lay.count, "block bytes": block_size * lay.row_bytes})
     if n:

@@ -1,24 +1,28 @@
-"""Page copies as DMA on a side stream, ordered by events, and index tensors through pinned memory: the pieces a
+"""Page copies as DMA on side streams, ordered by events, and index tensors through pinned memory: the pieces a
 worker needs so that restores and materializations neither take SMs from the forward nor make the host wait.
 
 A GPU block and a host block hold one page for every layer (cuda/SPEC.md). :func:`page_copies` turns
 (GPU block, host block) pairs into 2D memory copies: runs of consecutive blocks on both sides merge into one copy,
 and when both sides' layers are evenly spaced (one tensor ``[L, rows, rb]``, as ``DataPath`` allocates) a copy
 spans every layer (height L, the layer strides as pitches). :class:`PageMover` issues them with
-``cuMemcpy2DAsync`` on its own stream:
+``cuMemcpy2DAsync``, one stream per direction, in the data path's device's context:
 
-- ``restore(pairs)`` (host to GPU): starts after the work the current stream has enqueued, and the current stream
-  waits for it on the device, so the next forward reads the restored pages; the host does not wait.
+- ``restore(pairs)`` (host to GPU): starts after the work the current stream has enqueued (the blocks' last
+  readers), and the current stream waits, on the device, for an event recorded right after these copies: the next
+  forward reads the restored pages, and never waits for a copy to the host. The host does not wait.
 - ``materialize(pairs)`` (GPU to host): starts after the work the current stream has enqueued (the pages' last
-  writes) and overlaps what follows; it returns an event, done when the host copies are durable; poll it with
-  ``event.query()`` (each step), never ``synchronize()``.
+  writes, and so the restores before it) and overlaps what follows, restores included; it returns an event, done
+  when the host copies are durable; poll it with ``event.query()`` (each step), never ``synchronize()``.
+
+The two directions need no order between them beyond that: a page whose copy to the host is in flight keeps its
+GPU block pinned (the core frees neither side until the copy is reported done), so no restore writes a block a
+materialization still reads, nor reads a host block one still writes.
 
 :func:`to_device_async` moves an index tensor to the GPU through pinned memory without a host synchronization.
 
-How ``DataPath`` uses them (not wired yet): one ``PageMover`` per data path, built with its slab and host pool;
-``apply(plan)`` calls ``restore(plan.restores)`` and, for ``plan.materialize``, ``materialize(pairs)`` keeping
-``(transfer ids, event)``; ``end_step`` reports the ids whose event ``query()`` is true and keeps the others; the
-pairs of mirror, invalidate and the kernels' other index inputs go through ``to_device_async``. None of these
+How ``DataPath`` uses them: one ``PageMover`` per data path (built on its first CUDA ``apply``, again if its slab or
+pool is replaced); ``apply(plan)`` calls ``restore(plan.restores)`` and ``materialize`` with the plan's
+materializations, and returns that event; the worker reports the transfers whose event has passed. None of these
 calls belongs inside a captured CUDA graph: the decode path's graph holds resolve and gather only.
 """
 
@@ -103,14 +107,16 @@ def to_device_async(values, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 class PageMover:
-    """Whole-page copies between a data path's GPU slab and its pinned host pool, as DMA on a side stream (see the
-    module docstring). ``gpu_layers[l]`` / ``host_layers[l]``: layer l's slab (CUDA) and pool (pinned CPU), rows
-    of the same bytes."""
+    """Whole-page copies between a data path's GPU slab and its pinned host pool, as DMA on two side streams (see
+    the module docstring). ``gpu_layers[l]`` / ``host_layers[l]``: layer l's slab (CUDA) and pool (pinned CPU),
+    rows of the same bytes."""
 
     def __init__(self, gpu_layers: Sequence[torch.Tensor], host_layers: Sequence[torch.Tensor], block_size: int):
         from cuda.bindings import driver
 
-        self._driver = driver
+        from . import cuda_context
+
+        self._driver, self._context = driver, cuda_context
         if not gpu_layers or len(gpu_layers) != len(host_layers):
             raise ValueError("give the same positive number of GPU and host layers")
         device = gpu_layers[0].device
@@ -118,44 +124,52 @@ class PageMover:
             raise ValueError("the GPU layers must be on one CUDA device")
         if not all(t.is_pinned() for t in host_layers):
             raise ValueError("the host layers must be pinned")
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        # One stream per direction: restores never queue behind materializations, and the two overlap.
+        self.h2d = torch.cuda.Stream(self.device)
+        self.d2h = torch.cuda.Stream(self.device)
         attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
-        err, self._max_pitch = driver.cuDeviceGetAttribute(attr, device.index)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuDeviceGetAttribute failed: {err.name}")
+        self._max_pitch = cuda_context.call(
+            driver.cuDeviceGetAttribute(attr, cuda_context.device(self.device.index)), "cuDeviceGetAttribute")
         self._gpu = [t.data_ptr() for t in gpu_layers]
         self._host = [t.data_ptr() for t in host_layers]
         self._block_bytes = block_size * gpu_layers[0].shape[-1] * gpu_layers[0].element_size()
         self._keep = (list(gpu_layers), list(host_layers))  # the memory the copies address stays alive
 
-    def _issue(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
+    def copies(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> list[Copy2D]:
+        """The 2D copies that move ``pairs`` (what :meth:`restore` and :meth:`materialize` issue)."""
+        return page_copies(pairs, gpu_layers=self._gpu, host_layers=self._host, block_bytes=self._block_bytes,
+                           to_host=to_host, max_pitch=self._max_pitch)
+
+    def _issue(self, pairs: Sequence[tuple[int, int]], to_host: bool, stream: torch.cuda.Stream) -> None:
         drv = self._driver
-        stream = drv.CUstream(self.stream.cuda_stream)
-        for c in page_copies(pairs, gpu_layers=self._gpu, host_layers=self._host, block_bytes=self._block_bytes,
-                             to_host=to_host, max_pitch=self._max_pitch):
-            p = drv.CUDA_MEMCPY2D()
-            p.srcMemoryType = p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_UNIFIED
-            p.srcDevice, p.srcPitch = drv.CUdeviceptr(c.src), c.src_pitch
-            p.dstDevice, p.dstPitch = drv.CUdeviceptr(c.dst), c.dst_pitch
-            p.WidthInBytes, p.Height = c.width, c.height
-            (err,) = drv.cuMemcpy2DAsync(p, stream)
-            if err != drv.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemcpy2DAsync failed: {err.name}")
+        handle = drv.CUstream(stream.cuda_stream)
+        # The stream belongs to this device's context: the calling thread may have another one current, or none.
+        with self._context.current(self.device.index):
+            for c in self.copies(pairs, to_host):
+                p = drv.CUDA_MEMCPY2D()
+                p.srcMemoryType = p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_UNIFIED
+                p.srcDevice, p.srcPitch = drv.CUdeviceptr(c.src), c.src_pitch
+                p.dstDevice, p.dstPitch = drv.CUdeviceptr(c.dst), c.dst_pitch
+                p.WidthInBytes, p.Height = c.width, c.height
+                self._context.call(drv.cuMemcpy2DAsync(p, handle), "cuMemcpy2DAsync")
 
     def restore(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Host to GPU; what the current stream enqueues next waits for these copies on the device."""
+        """Host to GPU; what the current stream enqueues next waits for these copies (and only these) on the
+        device."""
         if not pairs:
             return
         current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)  # the blocks' previous users are done with them
-        self._issue(pairs, to_host=False)
-        current.wait_stream(self.stream)
+        self.h2d.wait_stream(current)  # the blocks' previous readers are done with them
+        self._issue(pairs, to_host=False, stream=self.h2d)
+        restored = torch.cuda.Event()
+        restored.record(self.h2d)  # right after the restores: nothing else runs on this stream
+        current.wait_event(restored)
 
     def materialize(self, pairs: Sequence[tuple[int, int]]) -> torch.cuda.Event:
         """GPU to host, after the current stream's work so far; the event is done when the host copies are."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._issue(pairs, to_host=True)
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        self._issue(pairs, to_host=True, stream=self.d2h)
         done = torch.cuda.Event()
-        done.record(self.stream)
+        done.record(self.d2h)
         return done

@@ -281,7 +281,10 @@ fn resolve_request(
     if union.len() > h || hot_blocks[0] == 0 {
         return fail(outcome, STATUS_OVERFLOW);
     }
-    if hot_blocks.iter().any(|&b| b <= 0 || b as usize >= blocks.gpu) {
+    // A block named twice would give two slots one GPU row: two misses copied into one row, in an order
+    // the kernel does not fix. (Blocks shared with another request are the core's to prevent: SPEC.md.)
+    let mut named = std::collections::HashSet::with_capacity(hb);
+    if hot_blocks.iter().any(|&b| b <= 0 || b as usize >= blocks.gpu || !named.insert(b)) {
         return fail(outcome, STATUS_BAD_HOT);
     }
     let base = (r * geo.groups + group) * h;

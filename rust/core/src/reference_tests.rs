@@ -164,9 +164,10 @@ type Corruption = (&'static str, fn(&mut Fixture), i32);
 
 #[test]
 fn corrupt_hot_state_fails_the_request_without_writes() {
-    let cases: [Corruption; 6] = [
-        ("hot block 8", |f| f.hot_blocks[1] = 8, STATUS_BAD_HOT),
+    let cases: [Corruption; 7] = [
+        ("hot block 8 (== GPU blocks)", |f| f.hot_blocks[1] = 8, STATUS_BAD_HOT),
         ("hot block 0 after the first", |f| f.hot_blocks[1] = 0, STATUS_BAD_HOT),
+        ("one hot block twice", |f| f.hot_blocks[1] = 6, STATUS_BAD_HOT),
         ("LRU entry out of range", |f| f.hot_lru[2] = 13, STATUS_BAD_HOT),
         ("LRU entry twice", |f| f.hot_lru[2] = 0, STATUS_BAD_HOT),
         ("a selected position in two slots", |f| f.hot_pos = vec![4, -1, 4, -1], STATUS_BAD_HOT),

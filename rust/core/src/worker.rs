@@ -97,6 +97,25 @@ pub fn check_plan(
     if plan.is_short() {
         return invalid(format!("a short plan ({} blocks missing) must not be applied", plan.missing_blocks));
     }
+    // One entry per row (or page) and section: a device applies a section's entries in parallel, so two
+    // entries for one place would leave either, or a mix.
+    let once = |what: &str, keys: &mut dyn Iterator<Item = (u32, u32)>| -> Result<()> {
+        let mut seen = HashSet::new();
+        for k in keys {
+            if !seen.insert(k) {
+                return invalid(format!("the plan has two {what} entries for {k:?}"));
+            }
+        }
+        Ok(())
+    };
+    once("cleared row", &mut plan.cleared_rows.iter().map(|&r| (r, 0)))?;
+    once("seq_len", &mut plan.seq_lens.iter().map(|l| (l.row, 0)))?;
+    once("table (row, page)", &mut plan.table_updates.iter().map(|u| (u.row, u.page)))?;
+    once("hot region row", &mut plan.hot_updates.iter().map(|h| (h.row, 0)))?;
+    once("scheduled row", &mut plan.scheduled.iter().map(|s| (s.row, 0)))?;
+    for h in &plan.hot_updates {
+        once("hot block of one row", &mut h.blocks.iter().map(|&b| (h.row, b)))?;
+    }
     for &row in &plan.cleared_rows {
         within("cleared row", row as i64, 0, s)?;
     }
@@ -358,6 +377,22 @@ mod tests {
             StepPlan { seq_lens: vec![RowLength { row: 0, len: 9, request: 1 }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![1] }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![0, 1] }], ..plan() },
+            StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![2, 2] }], ..plan() },
+            StepPlan { cleared_rows: vec![0, 0], ..plan() },
+            StepPlan {
+                seq_lens: vec![
+                    RowLength { row: 1, len: 3, request: 1 },
+                    RowLength { row: 1, len: 5, request: 1 },
+                ],
+                ..plan()
+            },
+            StepPlan {
+                table_updates: vec![
+                    TableUpdate { row: 1, page: 0, gpu_block: 3, host_block: 2, releasable: true },
+                    TableUpdate { row: 1, page: 0, gpu_block: 4, host_block: -1, releasable: false },
+                ],
+                ..plan()
+            },
             StepPlan { restores: vec![Restore { gpu_block: 6, host_block: 0 }], ..plan() },
             StepPlan {
                 restores: vec![

@@ -217,8 +217,13 @@ impl ResidencyManager {
 
     pub(super) fn drain_pending(&mut self) -> StepPlan {
         let p = std::mem::take(&mut self.pending);
+        // A row can be cleared twice between plans (one request leaves it, the next is admitted into it and
+        // leaves too): clearing once says the same.
+        let mut cleared = p.cleared_rows;
+        cleared.sort_unstable();
+        cleared.dedup();
         let mut plan = StepPlan {
-            cleared_rows: p.cleared_rows,
+            cleared_rows: cleared,
             transitions: p.transitions,
             released_pages: p.released,
             lost_pages: p.lost,

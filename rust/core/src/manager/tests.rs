@@ -39,6 +39,19 @@ impl World {
     /// Applies a plan in the documented order, then writes the step's new tokens.
     fn apply(&mut self, m: &ResidencyManager, plan: &StepPlan, scheduled: &[(u64, u32)], old_lens: &[u32]) {
         let pages = m.config().max_pages() as usize;
+        // Every plan the manager makes passes the worker's check (ranges, one entry per place, distinct
+        // copy destinations) and survives its encoding.
+        let c = m.config();
+        let geo = crate::worker::WorkerGeometry {
+            pages,
+            block_size: c.block_size as usize,
+            groups: c.num_index_groups as usize,
+            hot_rows: c.hot_rows as usize,
+            row_bytes: 16,
+        };
+        let (gpu, host) = (c.num_gpu_blocks as usize, c.num_host_blocks as usize);
+        crate::worker::check_plan(plan, c.max_running as usize, &geo, gpu, host).unwrap();
+        assert_eq!(&StepPlan::decode(&plan.encode()).unwrap(), plan);
         for &row in &plan.cleared_rows {
             self.tables.insert(row, vec![(0, -1); pages]);
             self.hot.remove(&row);
