@@ -150,6 +150,70 @@ def test_selection_heat_starts_a_row_cold_when_it_changes_hands_and_reports_on_s
     assert reports == [True, True, False, True, False, False, False, True, False]
     heat.begin_step([], None, {})  # a step without a forward is not counted
     assert heat.end_step() is None
+    assert int(heat.heat.sum()) > 0
+    heat.reset()  # as after vLLM's CUDA-graph capture
+    assert int(heat.heat.abs().sum()) == 0 and heat.end_step() is None
+
+
+class _Rank:
+    """A worker rank's connector with vLLM's worker state stubbed: what ``build_connector_worker_meta`` and
+    ``reset_capture_state`` read from it."""
+
+    def __init__(self, heat, transfers):
+        from types import SimpleNamespace
+
+        from hisparse.integrations.vllm.connector import HiSparseConnector
+
+        self.resets = 0
+
+        def reset_hot_state():
+            self.resets += 1
+
+        self.transfers = transfers
+        self.connector = HiSparseConnector.__new__(HiSparseConnector)
+        self.connector.connector_worker = SimpleNamespace(
+            take_transfer_updates=lambda: (self.transfers.pop(0), []), take_completed_host_copies=lambda: [],
+            reset_hot_state=reset_hot_state)
+        self.connector.selection_heat = heat
+
+
+def test_worker_metadata_keeps_a_report_that_only_one_rank_has_this_step(monkeypatch):
+    """vLLM combines the ranks' metadata with the first rank's ``aggregate``: a report that reached the host on
+    rank 1 but not yet on rank 0 (its copy still running) must survive it."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from hisparse.datapath import HeatSummaryInFlight
+
+    copying = {"rank": None}  # the rank whose summaries have not reached the host yet
+    ready = HeatSummaryInFlight.ready
+    monkeypatch.setattr(HeatSummaryInFlight, "ready", lambda self: copying["rank"] is None and ready(self))
+    ranks = []
+    for _ in range(2):
+        heat, _ = _selection_heat(rows=2, pages=8)
+        ranks.append(_Rank(heat, [[7], [8]]))
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    ids, rows = ["a", "b"], torch.tensor([0, 1], dtype=torch.int32)
+    got = []
+    for step in range(2):
+        outputs = []
+        for i, rank in enumerate(ranks):
+            rank.connector.selection_heat.begin_step(ids, rows, {rid: _update(range(8)) for rid in ids})
+            rank.connector.selection_heat.count(torch.tensor([[0, 64]], dtype=torch.int32),
+                                                torch.tensor([0], dtype=torch.int32), rows)
+            copying["rank"] = i if (step, i) == (0, 0) else None
+            meta = rank.connector.build_connector_worker_meta()
+            assert (getattr(meta, "heat", None) is None) == ((step, i) == (0, 0))
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+            outputs.append(pickle.loads(pickle.dumps(out)))
+        meta = aggregator.aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+        assert meta.enqueued_transfer_counts == {7 + step: 2}
+        got.append(meta.heat)
+    assert all(h is not None and h.request_ids == tuple(ids) for h in got)
+    ranks[0].connector.reset_capture_state()
+    assert ranks[0].resets == 1 and int(ranks[0].connector.selection_heat.heat.sum()) == 0
 
 
 def test_counting_runtime_counts_what_vllms_resolver_just_resolved(monkeypatch):

@@ -185,6 +185,11 @@ class HiSparseConnector(VllmHiSparseConnector):
         self.selection_heat = build_selection_heat(worker.residency[0], worker.kernel_block_size, self._vllm_config)
         count_heat_in_resolver(list(worker.leader_runtimes), self.selection_heat)
 
+    def reset_capture_state(self) -> None:
+        super().reset_capture_state()
+        if self.selection_heat is not None:
+            self.selection_heat.reset()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         if self.selection_heat is not None:
@@ -194,10 +199,13 @@ class HiSparseConnector(VllmHiSparseConnector):
 
     def build_connector_worker_meta(self) -> Any:
         meta = super().build_connector_worker_meta()
-        report = self.selection_heat.end_step() if self.selection_heat is not None else None
-        if report is None:
+        if self.selection_heat is None:
             return meta
+        report = self.selection_heat.end_step()
         if meta is None:
-            return HisparseWorkerMetadata({}, {}, (), report)
+            return None if report is None else HisparseWorkerMetadata({}, {}, (), report)
+        # Ours even without a report: vLLM aggregates the ranks' metadata with the first rank's aggregate(),
+        # and vLLM's class would drop a report that another rank's summary brought this step (a summary
+        # reaches the host when its copy has passed, which need not be the same step on every rank).
         return HisparseWorkerMetadata(meta.enqueued_transfer_counts, meta.completed_transfer_counts,
                                       meta.completed_host_copy_dst_ids, report)

@@ -95,6 +95,13 @@ class SelectionHeat:
         self._steps = 0
         self._pending: deque[tuple[HeatSummaryInFlight, tuple[str, ...]]] = deque()
 
+    def reset(self) -> None:
+        """Forgets every count and row (after vLLM's CUDA-graph capture, whose dummy forwards count too)."""
+        self._flat.zero_()
+        self._owner.zero_()
+        self._pages.zero_()
+        self._owner_ids, self._ids, self._rows = (), (), None
+
     def counted(self, index_group: int) -> bool:
         """Whether :meth:`count` runs in this index group (by its position among the index groups)."""
         return index_group % self.layer_stride == 0
