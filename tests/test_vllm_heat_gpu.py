@@ -1,6 +1,7 @@
-"""The vLLM worker's selection heat on a CUDA device (skipped without one; needs torch, not vLLM, except where
-it says so). What a GPU adds to ``test_vllm_plugin.py``: the count runs inside a captured CUDA graph, as it does
-inside vLLM's, and a whole step (begin, count, end) never waits for the device, while its reports equal the CPU's.
+"""The vLLM worker's selection heat on a CUDA device (skipped without one). Needs torch, not vLLM: it runs in
+``benches/gpu_check.sh`` on a device without vLLM. What a GPU adds to ``test_vllm_plugin.py``: the count runs
+inside a captured CUDA graph, on a copy stream, as it does inside vLLM's, and a whole step (begin, count, end)
+never waits for the device, while its reports equal the CPU's.
 
     python -m pytest -q -m gpu tests/test_vllm_heat_gpu.py
 """
@@ -59,31 +60,54 @@ def test_count_is_captured_in_a_cuda_graph_and_replays_what_the_cpu_counts():
     assert int(cpu.heat.sum()) > 0
 
 
-def test_counting_runtime_is_captured_with_vllms_resolve(monkeypatch):
-    """vLLM's resolve needs its compiled kernels: a stand-in runs in its place, the counting is ours."""
-    pytest.importorskip("vllm")
-    from vllm.v1.hisparse.runtime import HiSparseRuntime
+def test_count_on_a_copy_stream_is_captured_as_vllms_leader_resolves():
+    """Where vLLM counts: its leader runtime resolves on the index group's copy stream, which waits on the compute
+    stream, after masking CUDA-graph padding rows (mapped to request 0) to -1 by a device-side row count, and the
+    compute stream waits on the copy stream before attention (``runtime.py``, ``_resolve_and_stage_group``);
+    ``_CountingRuntime`` counts right after the resolve, on that stream. The same pattern captured in a CUDA graph
+    (vLLM's own resolve needs its compiled ops, and this file runs without vLLM) counts what the CPU counts."""
+    cpu, gpu = _pair()
+    state_rows = torch.tensor([2, 5, 0, 7, 4, -1, -1, -1], dtype=torch.int32)
+    tokens = 12
+    static = {"topk": torch.full((tokens, TOP_K), -1, dtype=torch.int32, device="cuda"),
+              "rows": torch.zeros(tokens, dtype=torch.int32, device="cuda"),
+              "valid": torch.zeros((), dtype=torch.int32, device="cuda")}
+    request_ids = torch.empty(tokens, dtype=torch.int32, device="cuda")
+    row_index = torch.arange(tokens, device="cuda")
+    state_dev = state_rows.cuda()
+    copy_stream = torch.cuda.Stream()
 
-    from hisparse.integrations.vllm.connector import count_heat_in_resolver
+    def forward():
+        compute = torch.cuda.current_stream()
+        copy_stream.wait_stream(compute)
+        with torch.cuda.stream(copy_stream):
+            request_ids.copy_(static["rows"])
+            request_ids.masked_fill_(row_index >= static["valid"], -1)
+            gpu.count(static["topk"], request_ids, state_dev)
+        compute.wait_stream(copy_stream)
 
-    monkeypatch.setattr(HiSparseRuntime, "_resolve_residency", lambda self, **kw: kw["topk_indices"].add_(0))
-    cpu, gpu = _pair(layer_stride=1)
-    runtime = HiSparseRuntime.__new__(HiSparseRuntime)
-    runtime.request_state_indices = torch.tensor([2, 5, 0, 7, 4, -1, -1, -1], dtype=torch.int32, device="cuda")
-    count_heat_in_resolver([runtime], gpu)
-    topk, batch_rows = _inputs(7)
-    args = dict(resident=None, req_id_per_token=batch_rows.cuda(), block_table=None, topk_indices=topk.cuda(),
-                block_size=BLOCK, return_valid_counts=True, shared_rows=slice(0, 12), attention_indices_out=None,
-                valid_counts_out=None)
-    runtime._resolve_residency(**args)  # warm-up, then captured
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # warm-up, then captured
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        runtime._resolve_residency(**args)
-    graph.replay()
+        forward()
     torch.cuda.synchronize()
-    for _ in range(2):
-        cpu.count(topk, batch_rows, runtime.request_state_indices.cpu())
+    gpu.heat.zero_()
+    for step, valid in enumerate((tokens - 2, 7, tokens)):
+        topk, batch_rows = _inputs(10 + step, tokens)
+        batch_rows[batch_rows < 0] = 0  # vLLM's padding rows point at request 0 until masked
+        static["topk"].copy_(topk)
+        static["rows"].copy_(batch_rows)
+        static["valid"].fill_(valid)
+        graph.replay()
+        masked = torch.where(torch.arange(tokens) >= valid, -1, batch_rows)
+        cpu.count(topk, masked, state_rows)
+    torch.cuda.synchronize()
     assert torch.equal(gpu.heat.cpu(), cpu.heat)
+    assert int(cpu.heat.sum()) > 0
 
 
 def _update(pages: int):
