@@ -1,12 +1,15 @@
-"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse: same trace, same run.
+"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse vs vLLM alone: same
+trace, same run.
 
-For N = 32 and 128 requests of 64K-token prompts, each mode runs vLLM's real ``Scheduler`` (the CPU harness
-of ``tests/vllm_harness.py``, bookkeeping only: no KV data) in a pool that holds a third of them fully
-resident, until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode
-steps. Prints one JSON line: per N and mode, the median step in microseconds and the mean number of running
-requests while timed.
+For N = 32 and 128 requests of 64K-token prompts, each mode (``hisparse``, ``native``: vLLM's HiSparseConnector,
+``plain``: vLLM without HiSparse) runs vLLM's real ``Scheduler`` (the CPU harness of ``tests/vllm_harness.py``,
+bookkeeping only: no KV data) in the same KV memory, a pool that holds a third of the requests fully resident,
+until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode steps. vLLM
+alone runs only the requests that fit, so compare its step with the others' per running request too. Prints
+one JSON line: per N and mode, the median step in microseconds, the mean number of running requests while
+timed, and the median step per running request.
 
-    .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128]
+    .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128] [--modes hisparse native plain]
 """
 
 from __future__ import annotations
@@ -69,9 +72,12 @@ class Engine:
         return self.settled > 20
 
 
-def measure(n: int, steps: int) -> dict:
-    """Both engines in one process, stepped alternately on the same trace, so that noise hits both alike."""
-    engines = {mode: Engine(mode, n) for mode in ("native", "hisparse")}
+MODES = ("hisparse", "native", "plain")
+
+
+def measure(n: int, steps: int, modes=MODES) -> dict:
+    """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike."""
+    engines = {mode: Engine(mode, n) for mode in modes}
     for _ in range(40 * n):
         if all(e.ready for e in engines.values()):
             break
@@ -81,7 +87,10 @@ def measure(n: int, steps: int) -> dict:
         for e in engines.values():
             e.step(timed=True)
     return {mode: {"median_us": round(statistics.median(e.times) * 1e6, 1),
-                   "mean_running": round(statistics.mean(e.running), 1), "steps": len(e.times)}
+                   "mean_running": round(statistics.mean(e.running), 1),
+                   "median_us_per_running": round(statistics.median(t / r for t, r in zip(e.times, e.running,
+                                                                                         strict=True)) * 1e6, 2),
+                   "steps": len(e.times)}
             for mode, e in engines.items()}
 
 
@@ -89,10 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = ap.parse_args()
     result = {"context": CONTEXT}
     for n in args.n:
-        result[f"n{n}"] = measure(n, args.steps)
+        result[f"n{n}"] = measure(n, args.steps, args.modes)
     print(json.dumps(result))
 
 
