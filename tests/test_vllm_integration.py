@@ -230,9 +230,11 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
 
 
 def test_coldest_orders_vllms_free_queue_by_heat():
-    """Release order is reuse order: right after a heat summary, a request's released pages that the resolver
-    never selected sit before its other released pages in vLLM's free queue (reused first), and the selected
-    ones it ranks hottest after them (reused last)."""
+    """Release order is reuse order. Pages a request releases together enter vLLM's free queue in the order of
+    its last heat summary: the coldest it listed first (in its order), then those it did not list (oldest
+    first), then its hottest. And right after a summary, a request's released pages that the resolver never
+    selected sit before its other released pages in the queue (reused first), and the selected ones it ranks
+    hottest after them (reused last)."""
     from hisparse import _core
 
     # Summaries shorter than a request's ~90 releasable pages, so that some are unlisted (the middle).
@@ -242,15 +244,43 @@ def test_coldest_orders_vllms_free_queue_by_heat():
     coord = setup.scheduler.connector.coordinator
     pool = coord.gpu_pool
     summaries = {}
-    report = coord.report_heat
+    ranks = {}  # request -> page -> (tier, rank in tier), from its last summary
+    report, free = coord.report_heat, coord.free
 
     def record(heat):
         summaries.clear()
         for index, cold, hot in _core.decode_heat_summary(heat.summary):
-            summaries[heat.request_ids[index]] = ({page for h, page in cold if h == 0}, {page for h, page in hot if h})
+            rid = heat.request_ids[index]
+            summaries[rid] = ({page for h, page in cold if h == 0}, {page for h, page in hot if h})
+            ranks[rid] = {page: (0, k) for k, (_, page) in enumerate(cold)}
+            ranks[rid].update({page: (2, k) for k, (_, page) in enumerate(hot)})
         report(heat)
 
-    coord.report_heat = record
+    def forget(rid):
+        ranks.pop(rid, None)
+        free(rid)
+
+    coord.report_heat, coord.free = record, forget
+    released: list[int] = []
+    tiered = []
+    unpin_page, unpin_clean = coord._unpin_page, coord._unpin_clean_pages
+
+    def unpin_one(rid, state, page):
+        done = unpin_page(rid, state, page)
+        if done:
+            released.append(page)
+        return done
+
+    def unpin_together(rid, state):
+        released.clear()
+        unpin_clean(rid, state)
+        if rid in ranks and len(released) > 1:
+            order = [ranks[rid].get(page, (1, page)) for page in released]
+            assert order == sorted(order), f"{rid} released {released} out of its heat order"
+            if len({tier for tier, _ in order}) > 1:
+                tiered.append(rid)
+
+    coord._unpin_page, coord._unpin_clean_pages = unpin_one, unpin_together
     checked = []
 
     def on_step(step):
@@ -274,3 +304,4 @@ def test_coldest_orders_vllms_free_queue_by_heat():
 
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
     assert checked, "no summary found never-selected, hottest and other released pages of one request"
+    assert tiered, "no request released pages of more than one heat tier together"
