@@ -49,7 +49,7 @@ CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path'
 core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
 ``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does. The
 counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
-its GPU check.
+its GPU check (run by ``benches/gpu_check.sh``).
 
 What does not survive: one hot region shared by every index group. vLLM's layout gives each group of up to
 12 layers its own hot blocks (``v1/hisparse/layout.py``); re-packing means changing that layout, the spec
