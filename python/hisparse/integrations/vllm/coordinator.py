@@ -67,6 +67,8 @@ class HisparseCoordinator(HiSparseCoordinator):
         self._deferred = False
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
+        # The request last found reading a host-only page (``all_context_pages_resident``).
+        self._reads_host_hint: str | None = None
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -225,6 +227,48 @@ class HisparseCoordinator(HiSparseCoordinator):
                                                          num_rows))
             out[request_id] = tuple(mirrors)
         return out
+
+    def all_context_pages_resident(self, requests) -> bool:
+        """vLLM's answer (``coordinator.py:676``: every scheduled request has the blocks of its context and reads
+        only resident pages), which holds of all the requests together, so their order is free: the request
+        last found reading from the host goes first (under pressure it usually still is, and the answer is
+        then False at once), and a row is searched for a host-only page without being copied, stopping at the
+        first. Requests found fully resident are cached in vLLM's set, as vLLM does."""
+        if not self.resident_managers:
+            return False
+        first = self.resident_managers[0]
+        block_size = first.block_size
+        requests = list(requests)
+        hint = self._reads_host_hint
+        at = next((i for i, (request_id, _, _) in enumerate(requests) if request_id == hint), 0) if hint else 0
+        if at:
+            requests[0], requests[at] = requests[at], requests[0]
+        for request_id, num_computed_tokens, num_scheduled_tokens in requests:
+            if len(first.req_to_blocks.get(request_id, ())) < -(-(num_computed_tokens + num_scheduled_tokens)
+                                                                 // block_size):
+                return False
+            if request_id in self._resident_requests:
+                continue
+            if self._has_host_only_page(request_id):
+                self._reads_host_hint = request_id
+                return False
+            self._resident_requests.add(request_id)
+        return True
+
+    def _has_host_only_page(self, request_id: str) -> bool:
+        """Whether a resident group's row, with its residency changes (``get_residency_row``), holds a null
+        block."""
+        for manager in self.resident_managers:
+            row = manager.req_to_blocks.get(request_id, ())
+            changes = manager.residency_changes.get(request_id)
+            if changes:
+                if any(block.is_null and page < len(row) for page, block in changes.items()):
+                    return True
+                if any(block.is_null and changes.get(page, block).is_null for page, block in enumerate(row)):
+                    return True
+            elif any(block.is_null for block in row):
+                return True
+        return False
 
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
         # Called for every request after every step. When the durable prefix publishes nothing new, records
