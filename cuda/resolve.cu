@@ -309,15 +309,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       __syncthreads();
       mark_window(w);
     }
-    for_each_loaded(lru, H, [&](int, int entry) {
-      const u32 s = (u32)entry;
-      if (s >= (u32)H) {
-        bad = true;
-      } else {
-        const u32 m = 1u << (s & 31);
-        bad |= (atomicOr(&bits[s >> 5], m) & m) != 0;
-      }
-    });
+    bad |= mark_slots(lru, H, bits);
     // Also orders every atomicOr above before phase B clears bits and rebuilds tab.
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
@@ -504,17 +496,7 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
   // The LRU is rewritten only if it is a permutation; resolve flags it otherwise.
   for (int k = tid; k < words; k += nt) seen[k] = 0;
   __syncthreads();
-  bool bad = false;
-  for_each_loaded(lru, H, [&](int, int entry) {
-    const u32 s = (u32)entry;
-    if (s >= (u32)H) {
-      bad = true;
-    } else {
-      const u32 m = 1u << (s & 31);
-      bad |= (atomicOr(&seen[s >> 5], m) & m) != 0;
-    }
-  });
-  if (__syncthreads_or(bad)) return;
+  if (__syncthreads_or(mark_slots(lru, H, seen))) return;
 
   // Kept slots slide to the back in their order, from the last chunk to the first: an entry moves to an
   // index no smaller than its own, and each chunk is read completely before it is written.

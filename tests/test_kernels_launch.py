@@ -29,12 +29,14 @@ def test_resolve_launches_for_every_hot_region_up_to_32768_rows(arch, hot_rows, 
 
 
 def test_shared_memory_does_not_grow_with_the_hot_region_but_with_the_selection():
-    one = resolve_shared(top_k=TOP_K, hot_rows=4096, batch_rows=128, limit=99 * 1024)
-    wide = resolve_shared(top_k=TOP_K, hot_rows=32768, batch_rows=128, limit=99 * 1024)
-    assert wide.capacity == one.capacity
+    one = resolve_shared(top_k=TOP_K, hot_rows=4096, batch_rows=128, limit=227 * 1024)
+    wide = resolve_shared(top_k=TOP_K, hot_rows=32768, batch_rows=128, limit=227 * 1024)
+    assert wide.capacity == one.capacity == launch.SPARSE_TABLE * TOP_K  # a sparse table, where memory allows
     assert wide.dynamic_bytes - one.dynamic_bytes == (32768 - 4096) // 8  # one bit per hot slot
     four = resolve_shared(top_k=TOP_K, hot_rows=4096, batch_rows=128, rows_per_request=4, limit=227 * 1024)
-    assert four.capacity == math.ceil(4 * 4 * TOP_K / 3)
+    assert four.total_bytes <= 227 * 1024 and four.capacity >= math.ceil(4 * 4 * TOP_K / 3) and not four.clamped
+    small = resolve_shared(top_k=TOP_K, hot_rows=4096, batch_rows=128, limit=99 * 1024)
+    assert small.total_bytes <= 99 * 1024 and not small.clamped  # less sparse, all of the selection still fits
 
 
 def test_a_small_gpu_clamps_the_table_instead_of_refusing():

@@ -71,10 +71,8 @@ SEMANTIC = [
      "resolve checks the first window of hot blocks only"),
     ("resolve.cu", "host_block >= host_blocks ? HS_BAD_TABLE", "host_block > host_blocks ? HS_BAD_TABLE",
      "resolve takes host block == host_blocks"),
-    ("resolve.cu", "      if (s >= (u32)H) {\n        bad = true;", "      if (s > (u32)H) {\n        bad = true;",
-     "resolve takes LRU entry == H"),
-    ("resolve.cu", "    if (s >= (u32)H) {\n      bad = true;", "    if (s > (u32)H) {\n      bad = true;",
-     "invalidate takes LRU entry == H"),
+    ("common.cuh", "if (s >= (u32)H) {\n      bad = true;", "if (s > (u32)H) {\n      bad = true;",
+     "the LRU permutation check (resolve, invalidate) takes entry == H"),
 ]
 
 

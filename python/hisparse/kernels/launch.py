@@ -43,6 +43,11 @@ STATIC_SHARED = {"hisparse_resolve": 256, "hisparse_invalidate": 256, "hisparse_
 # entries, with limit = 3/4 of the capacity), and 4/3 entries per selected position, so that a request that
 # selects no more distinct positions than its batch rows hold stays on the hash path.
 MIN_TABLE = 4 * RESOLVE_THREADS
+# Beyond that the table takes up to SPARSE_TABLE entries per selected position, as far as shared memory allows:
+# resolve runs one CTA per SM (its registers fill the SM), so the memory is otherwise idle, and in a sparser
+# table probes end sooner. Hit-only resolve at top-K 2048 and batch 128 took 12-14% fewer cycles on an H200 with
+# 8 entries per position than with 2 (hot regions of 4,096 and 10,240 rows).
+SPARSE_TABLE = 8
 INT32_LIMIT = 2**31
 
 
@@ -84,21 +89,21 @@ def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_reque
     static = STATIC_SHARED["hisparse_resolve"]
     fixed = 4 * batch_rows + 4 * math.ceil(hot_rows / 32)
     selection = top_k * rows_per_request
-    wanted = max(MIN_TABLE, math.ceil(4 * selection / 3))
+    needed = max(MIN_TABLE, math.ceil(4 * selection / 3))  # the whole selection on the hash path
     room = (limit - static - fixed) // 8
     if room < MIN_TABLE:
         raise ConfigError(
             f"resolve needs {8 * MIN_TABLE + fixed + static} bytes of shared memory for {batch_rows} batch rows "
             f"and {hot_rows} hot rows; this GPU allows {limit}: use fewer batch rows or hot rows"
         )
-    capacity = min(wanted, room)
+    capacity = min(max(needed, SPARSE_TABLE * selection), room)
     return ResolveShared(
         capacity=capacity,
         dynamic_bytes=8 * capacity + fixed,
         static_bytes=static,
         fast_positions=capacity - capacity // 4,
         selection=selection,
-        clamped=capacity < wanted,
+        clamped=capacity < needed,
     )
 
 
