@@ -3,9 +3,10 @@
 16 requests of 32,000 tokens (64 generated each), DeepSeek-V3.2 shapes, a KV pool that holds 4 of them fully
 resident; the CPU harness of ``tests/vllm_harness.py`` checks every top-K row read on one layer of each of
 vLLM's six resident groups. Prints one JSON line per mode: vLLM's running-requests gauge while requests wait
-(mean) and at most, preemptions, rows checked and rows read from the host pool.
+(mean) and at most, preemptions, rows checked and rows read from the host pool. ``hisparse-fifo`` is hisparse
+with ``policy: fifo`` (vLLM's decisions, no heat): against ``hisparse`` (``coldest``), what heat changes.
 
-    .venv/bin/python benches/vllm_pressure.py [--modes plain native hisparse]
+    .venv/bin/python benches/vllm_pressure.py [--modes plain native hisparse hisparse-fifo]
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import vllm_harness as H  # noqa: E402
 GROUP_LAYERS = [0, 12, 24, 36, 48, 60]
 
 
+MODES = ("plain", "native", "hisparse", "hisparse-fifo")
+
+
 def run(mode: str) -> dict:
     jobs = [H.Job(f"r{i}", H.prompt(i, 32000), 64) for i in range(16)]
-    setup = H.build(mode=mode, gpu_gib=6.1, max_model_len=32768, host_pool_gib=24)
+    engine, _, policy = mode.partition("-")
+    setup = H.build(mode=engine, gpu_gib=6.1, max_model_len=32768, host_pool_gib=24,
+                    extra={"policy": policy} if policy else None)
     stats = H.run(setup, H.FakeWorker(setup, layers=GROUP_LAYERS), jobs)
     return {"mode": mode, "running_while_waiting": round(statistics.mean(stats.pressure_samples), 2),
             "max_running": stats.max_running, "preemptions": stats.preemptions, "steps": stats.steps,
@@ -35,7 +41,7 @@ def run(mode: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["plain", "native", "hisparse"])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     for mode in ap.parse_args().modes:
         print(json.dumps(run(mode)), flush=True)
 

@@ -29,8 +29,8 @@ def scenarios():
     prefix += [H.Job(f"d{i}", H.prompt(30 + i, 5000, shared), 24, arrival=140) for i in range(2)]
     three = [H.Job(f"r{i}", H.prompt(i, 6000), 16) for i in range(3)]
     return {
-        "1-sync-61-layers": (dict(gpu_gib=1.0, max_model_len=8192, host_pool_gib=20), three, None, 0),
-        "1-async-61-layers": (dict(gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, async_scheduling=True),
+        "1-sync-61-layers": (dict(gpu_gib=0.9, max_model_len=8192, host_pool_gib=20), three, None, 0),
+        "1-async-61-layers": (dict(gpu_gib=0.9, max_model_len=8192, host_pool_gib=20, async_scheduling=True),
                               three, None, 0),
         "3-prefix-caching": (dict(gpu_gib=1.0, max_model_len=8192, host_pool_gib=20), prefix, GROUP_LAYERS, 0),
         "4-preemption-recycling": (dict(gpu_gib=0.8, max_model_len=8192, host_pool_gib=40),

@@ -1,12 +1,21 @@
-"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse: same trace, same run.
+"""vLLM 0.33.0's scheduler step with hisparse's coordinator vs vLLM's native HiSparse vs vLLM alone: same
+trace, same run.
 
-For N = 32 and 128 requests of 64K-token prompts, each mode runs vLLM's real ``Scheduler`` (the CPU harness
-of ``tests/vllm_harness.py``, bookkeeping only: no KV data) in a pool that holds a third of them fully
-resident, until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode
-steps. Prints one JSON line: per N and mode, the median step in microseconds and the mean number of running
-requests while timed.
+For N = 32 and 128 requests of 64K-token prompts, each mode (``hisparse``, ``native``: vLLM's HiSparseConnector,
+``plain``: vLLM without HiSparse) runs vLLM's real ``Scheduler`` (the CPU harness of ``tests/vllm_harness.py``,
+bookkeeping only: no KV data) in the same KV memory, a pool that holds a third of the requests fully resident,
+until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode steps. vLLM
+alone runs only the requests that fit, so compare its step with the others' per running request too. Prints
+one JSON line: per N and mode, the median, mean and longest step in microseconds (a heat summary's free-queue
+moves land in one step: the mean and the longest show them), the mean number of running requests while timed,
+the median step per running request, and for the HiSparse modes the median of the part of the step
+spent in the HiSparse connector's own bookkeeping (``connector_median_us``: ``build_connector_meta``,
+``update_connector_output`` and the coordinator's ``publish_when_ready``, where hisparse replaces vLLM's
+scans; the rest of the step is vLLM's scheduler and KV cache manager, the same code in both). Nothing is read
+here, so every heat summary (every 32 steps; 64 timed steps hold two) finds every page never selected and
+moves all the released pages it lists to the front of the free queue: the most a summary can move.
 
-    .venv/bin/python benches/vllm_step.py [--steps 40] [--n 32 128]
+    .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
 """
 
 from __future__ import annotations
@@ -47,13 +56,33 @@ class Engine:
         self.times: list[float] = []
         self.running: list[int] = []
         self.most = self.settled = 0
+        self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
+        self.connector_times: list[float] = []
+        connector = self.sched.connector
+        if connector is not None:
+            for owner, name in ((connector, "build_connector_meta"), (connector, "update_connector_output"),
+                                (connector.connector_scheduler.coordinator, "publish_when_ready")):
+                setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.in_connector += time.perf_counter() - t0
+
+        return timed
 
     def step(self, timed: bool) -> None:
         t0 = time.perf_counter()
+        self.in_connector = 0.0
         so = self.sched.schedule()
         t1 = time.perf_counter()
+        in_schedule = self.in_connector
         out = self.worker.execute(so)
         t2 = time.perf_counter()
+        self.in_connector = in_schedule  # the worker's calls are not the scheduler's
         self.sched.update_from_output(so, out)
         t3 = time.perf_counter()
         now = len(so.num_scheduled_tokens)
@@ -62,6 +91,7 @@ class Engine:
         if timed and now and all(v == 1 for v in so.num_scheduled_tokens.values()):
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
+            self.connector_times.append(self.in_connector)
 
     @property
     def ready(self) -> bool:
@@ -69,9 +99,12 @@ class Engine:
         return self.settled > 20
 
 
-def measure(n: int, steps: int) -> dict:
-    """Both engines in one process, stepped alternately on the same trace, so that noise hits both alike."""
-    engines = {mode: Engine(mode, n) for mode in ("native", "hisparse")}
+MODES = ("hisparse", "native", "plain")
+
+
+def measure(n: int, steps: int, modes=MODES) -> dict:
+    """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike."""
+    engines = {mode: Engine(mode, n) for mode in modes}
     for _ in range(40 * n):
         if all(e.ready for e in engines.values()):
             break
@@ -80,19 +113,28 @@ def measure(n: int, steps: int) -> dict:
     for _ in range(steps):
         for e in engines.values():
             e.step(timed=True)
-    return {mode: {"median_us": round(statistics.median(e.times) * 1e6, 1),
-                   "mean_running": round(statistics.mean(e.running), 1), "steps": len(e.times)}
-            for mode, e in engines.items()}
+    out = {}
+    for mode, e in engines.items():
+        out[mode] = {"median_us": round(statistics.median(e.times) * 1e6, 1),
+                     "mean_us": round(statistics.mean(e.times) * 1e6, 1), "max_us": round(max(e.times) * 1e6, 1),
+                     "mean_running": round(statistics.mean(e.running), 1),
+                     "median_us_per_running": round(statistics.median(t / r for t, r in zip(e.times, e.running,
+                                                                                           strict=True)) * 1e6, 2),
+                     "steps": len(e.times)}
+        if e.sched.connector is not None:
+            out[mode]["connector_median_us"] = round(statistics.median(e.connector_times) * 1e6, 1)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = ap.parse_args()
     result = {"context": CONTEXT}
     for n in args.n:
-        result[f"n{n}"] = measure(n, args.steps)
+        result[f"n{n}"] = measure(n, args.steps, args.modes)
     print(json.dumps(result))
 
 

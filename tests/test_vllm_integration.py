@@ -45,7 +45,7 @@ def test_connector_is_ours_and_switches_vllms_hisparse_path_on():
 def test_scenario1_every_layer_reads_what_was_written(async_scheduling):
     """61 sparse-MLA layers plus indexer caches, DeepSeek-V3.2 shapes, a pool small enough that requests
     read through their hot regions."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=async_scheduling,
+    setup = H.build(mode="hisparse", gpu_gib=0.9, max_model_len=8192, async_scheduling=async_scheduling,
                     host_pool_gib=20)
     assert type(setup.scheduler).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
     worker = H.FakeWorker(setup)
@@ -119,15 +119,18 @@ def test_scenario4_preemption_resume_and_block_recycling():
 def test_scenario5_what_crosses_processes_pickles():
     """TP = 2: every scheduler output and every worker output crosses a pickle, and the workers' metadata
     is combined with vLLM's ``aggregate`` (the harness does both); the metadata types are vLLM's."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=True, host_pool_gib=20)
-    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, tp=2, record=True, heat_interval=2)
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=True, host_pool_gib=20,
+                    extra={"heat_interval": 2})
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, tp=2, record=True)
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 12) for i in range(3)])
     from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
+    from hisparse.integrations.vllm.heat import HeatReport
 
-    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat={"r0": ((3, 1), (0, 2), False)})
+    meta = HisparseWorkerMetadata({1: 1}, {1: 1}, (5,), heat=HeatReport(b"HSHT", ("r0",), 32))
     both = meta.aggregate(pickle.loads(pickle.dumps(meta)))
     assert both.enqueued_transfer_counts == {1: 2} and both.heat == meta.heat
-    assert setup.scheduler.connector.coordinator.counters["refreshed"] > 0, "heat was reported and acted on"
+    counters = setup.scheduler.connector.coordinator.counters
+    assert counters["moved_to_front"] > 0 and counters["moved_to_back"] > 0, "heat was reported and acted on"
 
 
 def test_scenario6_mtp_three_speculative_tokens():
@@ -139,57 +142,166 @@ def test_scenario6_mtp_three_speculative_tokens():
     assert stats.rows_checked > 3 * 40 * len(GROUP_LAYERS) * H.TOP_K // 3
 
 
+def _run_recording(setup, jobs, num_spec_tokens: int = 0) -> tuple[H.Stats, list]:
+    """Runs a trace and returns, per step, what the scheduler sent (``vllm_harness._digest``: its decisions
+    and every connector metadata field) and what it keeps that the metadata does not show (host prefix
+    publication, the GPU copies it records). Copies complete two steps late, as a GPU's DMA would, so pages
+    stay pending across steps."""
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    worker = H.FakeWorker(setup, layers=[0, 60], record=True, completion_lag=2)
+    coord = setup.scheduler.connector.connector_scheduler.coordinator
+    host_cache = coord.host_manager.block_pool.cached_block_hash_to_block._cache
+    kept = []
+
+    def on_step(step):
+        # Our cache of requests that hold their hot regions holds nothing else (checked against vLLM's test).
+        stale = [rid for rid in getattr(coord, "_reads_host", ())
+                 if not HiSparseCoordinator._can_read_from_host(coord, rid)]
+        assert not stale, f"step {step}: {stale} no longer read from the host"
+        kept.append((len(host_cache), len(coord.copies), sorted(
+            (rid, st.publication is not None, st.copies_recorded_blocks, st.ready_prefix_pages)
+            for rid, st in coord.request_states.items())))
+
+    stats = H.run(setup, worker, jobs, num_spec_tokens=num_spec_tokens, on_step=on_step)
+    return stats, [stats.trace, kept]
+
+
 def test_fifo_policy_makes_vllms_decisions_step_by_step():
-    """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata."""
+    """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata, same
+    scheduler state, step by step."""
     jobs = [H.Job(f"r{i}", H.prompt(i, 6000 + 300 * i), 24) for i in range(6)]
     traces = []
     for mode, extra in (("native", None), ("hisparse", {"policy": "fifo"})):
         setup = H.build(mode=mode, gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra=extra)
-        worker = H.FakeWorker(setup, layers=[0, 60], record=True)
-        stats = H.run(setup, worker, jobs)
-        traces.append(stats.trace)
+        stats, trace = _run_recording(setup, jobs)
+        traces.append(trace)
     assert stats.rows_from_host > 0
     assert traces[0] == traces[1]
 
 
-def test_coldest_puts_selected_released_pages_behind_unselected_ones_in_vllms_free_queue():
-    """Release order is reuse order: right after a heat summary, every released page that the resolver
-    selected sits behind every released page it did not select, in vLLM's free queue (reused last)."""
-    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20)
-    worker = H.FakeWorker(setup, layers=GROUP_LAYERS, heat_interval=4)
+def _with_vllms_scans(setup) -> None:
+    """Our connector, with vLLM's own per-step scans in place of ``HisparseCoordinator``'s bookkeeping
+    section: the reference the cheaper bookkeeping must equal."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector as Native
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    connector = setup.scheduler.connector
+    connector.build_connector_meta = types.MethodType(Native.build_connector_meta, connector)
+    for name in ("_can_read_from_host", "publish_when_ready", "all_context_pages_resident"):
+        setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
+                                                              connector.coordinator))
+
+
+@pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib",
+                         [("coldest", False, 0, True, 0.8), ("fifo", True, 0, False, 0.8),
+                          ("coldest", False, 3, True, 1.3)],
+                         ids=["coldest", "fifo-async-no-prefix-caching", "coldest-mtp"])
+def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_scheduling, mtp, prefix_caching, gpu_gib):
+    """The same trace through our connector twice, once with vLLM's per-step scans: every scheduler decision,
+    every field of the connector metadata (transfers, host copies, source blocks, row mirrors, residency flag
+    and updates) and the scheduler state the metadata does not show (``_run_recording``) are equal at every
+    step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
+    without prefix caching, a resumed request starts again with no hot region), recycled blocks and copies
+    that complete late; one run has MTP's drafts and lookahead."""
+    shared = H.prompt(1000, 2048)
+    # Long enough decodes that requests reading through hot regions seal pages of generated tokens.
+    jobs = [H.Job(f"r{i}", H.prompt(i, 4000 + 97 * i, shared if i % 2 else None), 16 + 60 * (i % 3 == 0),
+                  arrival=3 * i) for i in range(12)]
+    traces, summaries = [], []
+    for vllms in (False, True):
+        setup = H.build(mode="hisparse", gpu_gib=gpu_gib, max_model_len=8192, host_pool_gib=40,
+                        async_scheduling=async_scheduling, num_spec_tokens=mtp, prefix_caching=prefix_caching,
+                        extra={"policy": policy, "heat_interval": 4})
+        if vllms:
+            _with_vllms_scans(setup)
+        stats, trace = _run_recording(setup, jobs, mtp)
+        traces.append(trace)
+        summaries.append((stats.prefix_hit_tokens, stats.preemptions, stats.rows_from_host))
+    assert summaries[0][2] > 0 and (summaries[0][0] > 0) == prefix_caching
+    if policy == "fifo":
+        assert summaries[0][1] > 0
+    for kind in range(2):
+        assert len(traces[0][kind]) == len(traces[1][kind])
+        for step, (ours, theirs) in enumerate(zip(traces[0][kind], traces[1][kind], strict=True)):
+            assert ours == theirs, f"step {step} differs ({('sent', 'kept')[kind]})"
+
+
+def test_coldest_orders_vllms_free_queue_by_heat():
+    """Release order is reuse order. Pages a request releases together enter vLLM's free queue in the order of
+    its last heat summary: the coldest it listed first (in its order), then those it did not list (oldest
+    first), then its hottest. And right after a summary, a request's released pages that the resolver never
+    selected sit before its other released pages in the queue (reused first), and the selected ones it ranks
+    hottest after them (reused last)."""
+    from hisparse import _core
+
+    # Summaries shorter than a request's ~90 releasable pages, so that some are unlisted (the middle).
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20,
+                    extra={"heat_interval": 4, "heat_coldest": 16, "heat_hottest": 8})
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
     coord = setup.scheduler.connector.coordinator
     pool = coord.gpu_pool
     summaries = {}
-    report = coord.report_heat
+    ranks = {}  # request -> page -> (tier, rank in tier), from its last summary
+    report, free = coord.report_heat, coord.free
 
     def record(heat):
         summaries.clear()
-        summaries.update(heat)
+        for index, cold, hot in _core.decode_heat_summary(heat.summary):
+            rid = heat.request_ids[index]
+            summaries[rid] = ({page for h, page in cold if h == 0}, {page for h, page in hot if h})
+            ranks[rid] = {page: (0, k) for k, (_, page) in enumerate(cold)}
+            ranks[rid].update({page: (2, k) for k, (_, page) in enumerate(hot)})
         report(heat)
 
-    coord.report_heat = record
+    def forget(rid):
+        ranks.pop(rid, None)
+        free(rid)
+
+    coord.report_heat, coord.free = record, forget
+    released: list[int] = []
+    tiered = []
+    unpin_page, unpin_clean = coord._unpin_page, coord._unpin_clean_pages
+
+    def unpin_one(rid, state, page):
+        done = unpin_page(rid, state, page)
+        if done:
+            released.append(page)
+        return done
+
+    def unpin_together(rid, state):
+        released.clear()
+        unpin_clean(rid, state)
+        if rid in ranks and len(released) > 1:
+            order = [ranks[rid].get(page, (1, page)) for page in released]
+            assert order == sorted(order), f"{rid} released {released} out of its heat order"
+            if len({tier for tier, _ in order}) > 1:
+                tiered.append(rid)
+
+    coord._unpin_page, coord._unpin_clean_pages = unpin_one, unpin_together
     checked = []
 
     def on_step(step):
-        if not summaries:
-            return
         position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
-        for rid, (pages, heat, _) in summaries.items():
+        for rid, (never, hottest) in summaries.items():
             state = coord.request_states.get(rid)
             if state is None:
                 continue
             where = {}
             for page in state.unpinned_pages:
-                block = coord.resident_managers[0].get_resident_page(rid, page)
-                if block is not None and block.block_id in position:
-                    where[page] = position[block.block_id]
-            listed = dict(zip(pages, heat, strict=True))
-            hot = [where[p] for p in where if listed.get(p, 0) > 0]
-            cold = [where[p] for p in where if p in listed and listed[p] == 0]
-            if hot and cold:
-                assert min(hot) > max(cold)
+                blocks = [m.get_resident_page(rid, page) for m in coord.resident_managers]
+                if all(b is not None and b.block_id in position for b in blocks):
+                    where[page] = [position[b.block_id] for b in blocks]
+            front = [i for p in where if p in never for i in where[p]]
+            back = [i for p in where if p in hottest for i in where[p]]
+            middle = [i for p in where if p not in never and p not in hottest for i in where[p]]
+            if front and back and middle:
+                assert max(front) < min(middle) and max(middle) < min(back)
                 checked.append(rid)
         summaries.clear()
 
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
-    assert checked, "no summary found both selected and unselected released pages"
+    assert checked, "no summary found never-selected, hottest and other released pages of one request"
+    assert tiered, "no request released pages of more than one heat tier together"

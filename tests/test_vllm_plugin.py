@@ -1,15 +1,17 @@
-"""The vLLM plugin's own pieces, without running vLLM's scheduler: version pin, entry point, heat
-summaries and the Rust pool policy."""
+"""The vLLM plugin's own pieces, without running vLLM's scheduler: version pin, entry point, the worker's
+selection heat (counting, ranking, the runtime it counts in) and the Rust pool policy that consumes it."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
 
 from hisparse import _core
+from hisparse import errors as hisparse_errors
 from hisparse.errors import ConfigError
 from hisparse.integrations import vllm as plugin
-from hisparse.integrations.vllm.heat import summarize_heat
 
 
 def test_only_the_pinned_vllm_is_accepted():
@@ -49,25 +51,208 @@ def test_connector_class_is_found_by_vllms_factory():
     assert cls is plugin.HiSparseConnector and issubclass(cls, Native) and cls.__name__ == "HiSparseConnector"
 
 
-def test_heat_summary_is_coldest_first_among_candidates_then_decays():
-    heat = torch.tensor([[5, 0, 3, 9, 1], [2, 2, 2, 2, 2]], dtype=torch.int32)
-    candidates = torch.tensor([[1, 1, 1, 0, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    out = summarize_heat(heat, candidates, {"a": 0, "b": 1}, limit=3)
-    assert out["a"] == ((1, 4, 2), (0, 1, 3), True)  # page 3 is not a candidate; page 0 was cut
-    assert out["b"] == ((0, 1, 2), (2, 2, 2), True)
-    assert heat.tolist() == [[2, 0, 1, 4, 0], [1, 1, 1, 1, 1]]
-    assert summarize_heat(heat, candidates[:, :], {"a": 0}, limit=8)["a"][2] is False
+def _summary(heat: list[list[int]], eligible: list[list[int]], coldest: int, hottest: int) -> bytes:
+    """The core's own heat summary (``heat::summarize``) of rows whose request i is row i."""
+    h = torch.tensor(heat, dtype=torch.int32)
+    rows, pages = h.shape
+    tables = [torch.full((rows,), pages * 64, dtype=torch.int32), torch.tensor(eligible, dtype=torch.uint8),
+              torch.arange(rows, dtype=torch.int64), h]
+    return _core._ref_heat_summary([(t.data_ptr(), t.numel()) for t in tables], pages, 64, coldest, hottest)
 
 
-def test_pool_policy_orders():
+def test_pool_policy_takes_the_cores_heat_summary():
+    # Request "a": pages 1 and 4 never selected, 2 once, 0 (a sink) and 6 the hottest; 3 and 5 unlisted.
+    summary = _summary([[0, 0, 0, 0, 0, 0, 0], [90, 0, 1, 7, 0, 5, 40]], [[0] * 7, [1] * 7], 3, 2)
     p = _core.PoolPolicy()
-    assert p.release_order("x", [1, 7, 3]) == [7, 3, 1]  # vLLM's order without heat
-    p.report("x", [2, 7, 1], [0, 4, 8], False)
-    assert p.release_order("x", [1, 2, 7, 9]) == [9, 2, 7, 1]
-    assert p.refresh_order("x", [1, 2, 7]) == [7, 1]
+    assert p.release_order("a", [5, 1, 0]) == [0, 1, 5]  # nothing known yet: oldest first
+    # Moves: never-selected listed pages to the front of the free queue, the selected hottest to the back.
+    assert p.report(summary, ["other", "a"], 2) == [("other", [], []), ("a", [1, 4], [6, 0])]
+    # Asked for more hottest than it lists: every page was listed, so every selected page goes back.
+    assert p.report(summary, ["other", "a"], 3) == [("other", [], []), ("a", [1, 4], [2, 6, 0])]
+    assert p.release_order("a", [0, 1, 2, 3, 4, 5, 6]) == [1, 4, 2, 3, 5, 6, 0]
+    assert len(p) == 2
+    p.forget("a")
     assert len(p) == 1
-    p.forget("x")
-    assert len(p) == 0
-    with pytest.raises(ValueError, match="2 pages but 1 heat"):
-        p.report("x", [1, 2], [3], False)
+    with pytest.raises(hisparse_errors.InvalidArgumentError, match="names request 1 of a batch of 1"):
+        p.report(summary, ["only"], 2)
+    with pytest.raises(hisparse_errors.InvalidArgumentError):
+        p.report(b"not a summary", ["a"], 2)
     assert not _core.PoolPolicy.worth_transition(64, 6, 384) and _core.PoolPolicy.worth_transition(65, 6, 384)
+
+
+def _selection_heat(rows: int = 4, pages: int = 12, **options):
+    from hisparse.integrations.vllm.heat import SelectionHeat
+
+    residency = torch.ones(rows, pages, dtype=torch.int32)
+    options = {"tail_pages": 2, "interval": 1, "coldest": 3, "hottest": 2, **options}
+    return SelectionHeat(residency, 64, **options), residency
+
+
+def _update(pages):
+    from vllm.v1.hisparse.types import SparseKVResidencyUpdate
+
+    return SparseKVResidencyUpdate(pages=list(pages), block_ids=([1] * len(pages),))
+
+
+def test_selection_heat_counts_each_selected_position_and_skips_padding():
+    pytest.importorskip("vllm")
+    heat, _ = _selection_heat()
+    # Query rows 0 and 1 are batch row 1 (state row 3: an MTP request's two rows), row 2 is padding.
+    topk = torch.tensor([[0, 1, 64, -1], [130, 0, -1, -1], [5, 6, 7, 8]], dtype=torch.int32)
+    heat.count(topk, torch.tensor([1, 1, -1], dtype=torch.int32), torch.tensor([2, 3, -1, -1], dtype=torch.int32))
+    want = torch.zeros(4, 12, dtype=torch.int32)
+    want[3, 0], want[3, 1], want[3, 2] = 3, 1, 1
+    assert torch.equal(heat.heat, want)
+    # A batch row whose state row is -1 counts nowhere either.
+    heat.count(topk[:1], torch.tensor([2], dtype=torch.int32), torch.tensor([2, 3, -1, -1], dtype=torch.int32))
+    assert torch.equal(heat.heat, want)
+
+
+def test_selection_heat_summary_is_the_cores_ranking_then_halves():
+    """What the worker sends equals the core's ``heat::summarize`` of the same heat over the same pages (resident,
+    outside vLLM's two tail pages), and the counts are halved afterwards."""
+    pytest.importorskip("vllm")
+    gen = torch.Generator().manual_seed(5)
+    heat, residency = _selection_heat(rows=5, pages=40, coldest=6, hottest=4)
+    residency.copy_((torch.rand(5, 40, generator=gen) < 0.7).to(torch.int32))
+    ids, rows = ["x", "y", "z"], torch.tensor([4, 0, 2], dtype=torch.int32)
+    heat.begin_step(ids, rows, {"x": _update(range(30)), "y": _update(range(40)), "z": _update(range(2))})
+    topk = torch.randint(-1, 40 * 64, (9, 50), generator=gen, dtype=torch.int32)
+    heat.count(topk, torch.arange(9, dtype=torch.int32) % 3, rows)
+    before = heat.heat.clone()
+    report = heat.end_step()  # step 1 is due, and on CPU the copy is done at once
+    assert report is not None and report.request_ids == tuple(ids)
+    pages = torch.tensor([30, 40, 2])[:, None]
+    eligible = (residency[rows.long()] != 0) & (torch.arange(40)[None, :] < pages - 2)
+    want = _summary(before[rows.long()].tolist(), eligible.to(torch.uint8).tolist(), 6, 4)
+    assert _core.decode_heat_summary(report.summary) == _core.decode_heat_summary(want)
+    assert _core.decode_heat_summary(report.summary)[2] == (2, [], [])  # z: 2 pages, both in the tail
+    halved = before.clone()
+    halved[rows.long()] >>= 1
+    assert torch.equal(heat.heat, halved)
+    assert pickle.loads(pickle.dumps(report)) == report
+
+
+def test_selection_heat_starts_a_row_cold_when_it_changes_hands_and_reports_on_schedule():
+    pytest.importorskip("vllm")
+    heat, _ = _selection_heat(rows=2, pages=8, interval=4)
+    rows = torch.tensor([0, 1], dtype=torch.int32)
+    reports = []
+    for step in range(1, 10):
+        ids = ["a", "b"] if step < 6 else ["c", "b"]  # "a" finished; "c" took its row 0
+        heat.begin_step(ids, rows, {rid: _update(range(8)) for rid in ids})
+        if step == 6:
+            assert heat.heat[0].sum() == 0 and heat.heat[1].sum() > 0
+        heat.count(torch.tensor([[0, 64, 128]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), rows)
+        heat.count(torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), rows)
+        reports.append(heat.end_step() is not None)
+    # Steps 1, 2, 4 (first ones sooner), then every 4: 8.
+    assert reports == [True, True, False, True, False, False, False, True, False]
+    heat.begin_step([], None, {})  # a step without a forward is not counted
+    assert heat.end_step() is None
+    assert int(heat.heat.sum()) > 0
+    heat.reset()  # as after vLLM's CUDA-graph capture
+    assert int(heat.heat.abs().sum()) == 0 and heat.end_step() is None
+
+
+class _Rank:
+    """A worker rank's connector with vLLM's worker state stubbed: what ``build_connector_worker_meta`` and
+    ``reset_capture_state`` read from it."""
+
+    def __init__(self, heat, transfers):
+        from types import SimpleNamespace
+
+        from hisparse.integrations.vllm.connector import HiSparseConnector
+
+        self.resets = 0
+
+        def reset_hot_state():
+            self.resets += 1
+
+        self.transfers = transfers
+        self.connector = HiSparseConnector.__new__(HiSparseConnector)
+        self.connector.connector_worker = SimpleNamespace(
+            take_transfer_updates=lambda: (self.transfers.pop(0), []), take_completed_host_copies=lambda: [],
+            reset_hot_state=reset_hot_state)
+        self.connector.selection_heat = heat
+
+
+def test_worker_metadata_keeps_a_report_that_only_one_rank_has_this_step(monkeypatch):
+    """vLLM combines the ranks' metadata with the first rank's ``aggregate``: a report that reached the host on
+    rank 1 but not yet on rank 0 (its copy still running) must survive it."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from hisparse.datapath import HeatSummaryInFlight
+
+    copying = {"rank": None}  # the rank whose summaries have not reached the host yet
+    ready = HeatSummaryInFlight.ready
+    monkeypatch.setattr(HeatSummaryInFlight, "ready", lambda self: copying["rank"] is None and ready(self))
+    ranks = []
+    for _ in range(2):
+        heat, _ = _selection_heat(rows=2, pages=8)
+        ranks.append(_Rank(heat, [[7], [8]]))
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    ids, rows = ["a", "b"], torch.tensor([0, 1], dtype=torch.int32)
+    got = []
+    for step in range(2):
+        outputs = []
+        for i, rank in enumerate(ranks):
+            rank.connector.selection_heat.begin_step(ids, rows, {rid: _update(range(8)) for rid in ids})
+            rank.connector.selection_heat.count(torch.tensor([[0, 64]], dtype=torch.int32),
+                                                torch.tensor([0], dtype=torch.int32), rows)
+            copying["rank"] = i if (step, i) == (0, 0) else None
+            meta = rank.connector.build_connector_worker_meta()
+            assert (getattr(meta, "heat", None) is None) == ((step, i) == (0, 0))
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+            outputs.append(pickle.loads(pickle.dumps(out)))
+        meta = aggregator.aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+        assert meta.enqueued_transfer_counts == {7 + step: 2}
+        got.append(meta.heat)
+    assert all(h is not None and h.request_ids == tuple(ids) for h in got)
+    ranks[0].connector.reset_capture_state()
+    assert ranks[0].resets == 1 and int(ranks[0].connector.selection_heat.heat.sum()) == 0
+
+
+def test_counting_runtime_counts_what_vllms_resolver_just_resolved(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.v1.hisparse.runtime import HiSparseRuntime
+
+    from hisparse.integrations.vllm.connector import count_heat_in_resolver
+
+    calls = []
+    monkeypatch.setattr(HiSparseRuntime, "_resolve_residency", lambda self, **kw: calls.append(self))
+    heat, _ = _selection_heat(layer_stride=2)
+    runtimes = [HiSparseRuntime.__new__(HiSparseRuntime) for _ in range(5)]
+    for rt in runtimes:
+        rt.request_state_indices = torch.tensor([2, -1, -1, -1], dtype=torch.int32)
+    assert count_heat_in_resolver(runtimes, heat) == 3  # index groups 0, 2, 4
+    assert [type(rt).__name__ for rt in runtimes] == ["_CountingRuntime", "HiSparseRuntime"] * 2 + ["_CountingRuntime"]
+    topk = torch.tensor([[0, 65, -1]], dtype=torch.int32)
+    for rt in runtimes[:2]:
+        rt._resolve_residency(resident=None, req_id_per_token=torch.tensor([0], dtype=torch.int32), block_table=None,
+                              topk_indices=topk, block_size=64, return_valid_counts=True, shared_rows=slice(0, 1),
+                              attention_indices_out=None, valid_counts_out=None)
+    assert calls == runtimes[:2]  # vLLM's resolve ran in both; only the counted one counted
+    assert heat.heat[2, :2].tolist() == [1, 1] and int(heat.heat.sum()) == 2
+    with pytest.raises(ConfigError, match="cannot count heat in a str"):
+        count_heat_in_resolver(["not a runtime"], heat)
+
+
+def test_heat_options_are_checked_where_the_config_is_read():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from hisparse.integrations.vllm.connector import heat_options
+
+    def config(**extra):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+    assert heat_options(config()) == {"interval": 32, "coldest": 128, "hottest": 32, "layer_stride": 8}
+    assert heat_options(config(heat_layer_stride=1))["layer_stride"] == 1
+    with pytest.raises(ConfigError, match="heat_interval must be an integer in 1"):
+        heat_options(config(heat_interval=0))
+    with pytest.raises(ConfigError, match="heat_coldest"):
+        heat_options(config(heat_coldest="many"))

@@ -25,6 +25,9 @@ What is faked, because it needs CUDA (each is the smallest stand-in, and none of
   filled from the host pool at vLLM's host block ids. Rows are 16 bytes instead of 656 to keep memory small;
   block ids, slots and row indices are vLLM's, unchanged. A slab part stands for a layer's share of a block:
   all device groups share one slab, so two groups holding one block would overwrite each other's rows.
+- Selection heat: the fake counts and ranks it with the plugin's own worker code (``SelectionHeat``, built
+  by ``connector.build_selection_heat`` from the same config), called where the GPU worker calls it: before
+  the forward, after each counted index group's resolve, and after the forward.
 
 A tag is a function of the token prefix (not of the request), so a prefix-cache hit must read what another
 request wrote, and a recycled block must never be read as the page it used to hold.
@@ -276,7 +279,7 @@ class FakeWorker:
     docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks."""
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
-                 heat_interval: int = 8, heat_pairs: int = 256, record: bool = False, data: bool = True):
+                 record: bool = False, data: bool = True, completion_lag: int = 0):
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
@@ -289,8 +292,6 @@ class FakeWorker:
         self.reqs: dict[str, _Req] = {}
         self.free_rows = list(range(self.max_rows))[::-1]
         self.stats = Stats()
-        self.heat_interval = heat_interval
-        self.heat_pairs = heat_pairs
         self.record = record
         # data=False: bookkeeping only (no slab, no host pool, no reads): for timing the scheduler.
         self.data = data
@@ -329,14 +330,26 @@ class FakeWorker:
             self.residency = torch.zeros(len(self.resident_groups), self.max_rows, self.max_pages, dtype=torch.int32)
             self.hot_pos = torch.full((self.max_rows, LAYERS, self.hot_rows), -1, dtype=torch.int32)
             self.hot_lru = torch.arange(self.hot_rows, dtype=torch.int32).repeat(self.max_rows, LAYERS, 1).contiguous()
-            self.heat = torch.zeros(self.max_rows, self.max_pages, dtype=torch.int32)
+            # The reference resolver counts heat as SPEC.md says; what the scheduler gets is counted apart, by
+            # the plugin's worker code (SelectionHeat, as on a GPU), so this table is never read.
+            self.resolver_heat = torch.zeros(self.max_rows, self.max_pages, dtype=torch.int32)
             self.status = torch.zeros(self.max_rows, dtype=torch.int32)
             self.counters = torch.zeros(3, dtype=torch.int64)
             self._written: dict[str, np.ndarray] = {}
+        # The plugin's worker-side heat, built from the config as HiSparseConnector.register_kv_caches does.
+        self.selection_heat = None
+        if self.mode == "hisparse":
+            from hisparse.integrations.vllm.connector import build_selection_heat, policy_option
+
+            if policy_option(setup.vllm_config) == "coldest":
+                self.selection_heat = build_selection_heat(self.residency[0], BLOCK, setup.vllm_config)
         # One slab for every device group: a block's memory, whichever group holds it (docstring).
         self.slab = torch.zeros(self.parts + 1, self.num_blocks * BLOCK if data else 0, ROW, dtype=torch.uint8)
         self._completed_host_copies: list[int] = []
         self._enqueued: list[int] = []
+        # completion_lag > 0: transfers are reported complete that many steps after they were enqueued, as
+        # the DMA of a GPU worker lags its forward (the copies themselves are done at once here).
+        self._completing: deque[list[int]] = deque([] for _ in range(completion_lag))
 
     # ------------------------------------------------------------------ request state
 
@@ -350,7 +363,7 @@ class FakeWorker:
         self.reqs[req_id] = req
         if self.mode != "plain":
             self.residency[:, row] = 0
-            self.heat[row] = 0
+            self.resolver_heat[row] = 0
             self.status[row] = 0
             self._reset_hot(req)
 
@@ -403,7 +416,7 @@ class FakeWorker:
             self.stats.trace.append(_digest(so))
         self._fresh = {new.req_id for new in so.scheduled_new_reqs if new.num_computed_tokens}
         if self.mode != "plain" and meta is not None:
-            self._start_step(meta)
+            self._start_step(meta, list(so.num_scheduled_tokens))
         sampled = self._forward(so, meta)
         self.stats.scheduled_samples.append(len(so.num_scheduled_tokens))
         out = ModelRunnerOutput(req_ids=list(sampled), req_id_to_index={r: i for i, r in enumerate(sampled)},
@@ -413,8 +426,9 @@ class FakeWorker:
             out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=worker_meta)
         return pickle.loads(pickle.dumps(out))
 
-    def _start_step(self, meta) -> None:
-        """``HiSparseConnectorWorker.start_step`` (worker.py:408), in its order."""
+    def _start_step(self, meta, batch: list[str]) -> None:
+        """``HiSparseConnectorWorker.start_step`` (worker.py:408), in its order, then what our connector's
+        ``start_load_kv`` adds (``batch``: the step's request ids in batch order)."""
         # _finish_previous_step: last step's post-forward spills are submitted now. With eager host
         # mirroring (vLLM's default) a spill moves no data: the rows are on the host already.
         self._enqueued.extend(t.transfer_id for t in self._post_forward)
@@ -446,6 +460,10 @@ class FakeWorker:
             for k, ids in enumerate(update.block_ids):
                 self.residency[k, row, pages] = torch.as_tensor(ids, dtype=torch.int32)
 
+        if self.selection_heat is not None and batch:
+            rows = torch.as_tensor([self.reqs[rid].row for rid in batch], dtype=torch.int32)
+            self.selection_heat.begin_step(batch, rows, meta.residency_updates)
+
     def _layers_of_group(self, k: int) -> list[int]:
         """The checked layers of resident group ``k``."""
         return [layer for layer in self.layers if self.layer_of[layer][0] == k]
@@ -455,11 +473,14 @@ class FakeWorker:
 
         enqueued, self._enqueued = self._enqueued, []
         copies, self._completed_host_copies = self._completed_host_copies, []
-        heat = self._heat_summary() if self.mode == "hisparse" else {}
-        if not enqueued and not copies and not heat:
+        heat = self.selection_heat.end_step() if self.selection_heat is not None else None
+        # Transfers complete in the step that enqueues them (CPU copies are synchronous), or completion_lag
+        # steps later.
+        self._completing.append(enqueued)
+        completed = self._completing.popleft()
+        if not enqueued and not completed and not copies and heat is None:
             return None
-        # Transfers complete in the step that enqueues them: CPU copies are synchronous.
-        args = ({t: 1 for t in enqueued}, {t: 1 for t in enqueued}, tuple(copies))
+        args = ({t: 1 for t in enqueued}, {t: 1 for t in completed}, tuple(copies))
         if self.mode == "hisparse":
             from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
 
@@ -469,18 +490,6 @@ class FakeWorker:
         for _ in range(self.tp - 1):  # the other ranks ran the same copies (KVOutputAggregator)
             meta = meta.aggregate(pickle.loads(pickle.dumps(meta)))
         return meta
-
-    def _heat_summary(self) -> dict:
-        """Every ``heat_interval`` steps: the summary the resolver's heat gives (``heat.py``)."""
-        if self.stats.steps % self.heat_interval or not self.reqs:
-            return {}
-        from hisparse.integrations.vllm.heat import summarize_heat
-
-        sealed = torch.zeros(self.max_rows, self.max_pages, dtype=torch.bool)
-        for req in self.reqs.values():
-            sealed[req.row, :req.num_computed // BLOCK] = True
-        candidates = (self.residency[0] != 0) & sealed
-        return summarize_heat(self.heat, candidates, {rid: r.row for rid, r in self.reqs.items()}, self.heat_pairs)
 
     def _zero_block(self, block: int) -> None:
         if not self.data:
@@ -657,10 +666,13 @@ class FakeWorker:
         before = int(self.counters[1])
         resolve_reference(topk=torch.from_numpy(topk), row_state=row_state, seq_lens=seq_lens,
                           block_table=self.residency[k].contiguous(), host_table=host_table, hot_blocks=hot_blocks,
-                          hot_pos=self.hot_pos, hot_lru=self.hot_lru, heat=self.heat, status=self.status,
+                          hot_pos=self.hot_pos, hot_lru=self.hot_lru, heat=self.resolver_heat, status=self.status,
                           counters=self.counters, gpu_layers=[self.slab[part]],
                           host_layers=[self.host[self.host_index[layer]]],
                           group=layer, block_size=BLOCK, out=out)
+        if self.selection_heat is not None and self.selection_heat.counted(layer):  # every layer leads a group
+            # What _CountingRuntime does after vLLM's resolve: each query row is its own batch row here.
+            self.selection_heat.count(torch.from_numpy(topk), torch.arange(n, dtype=torch.int32), row_state)
         self.stats.rows_from_host += int(self.counters[1]) - before
         return out.numpy().astype(np.int64)
 
@@ -695,7 +707,8 @@ class FakeWorker:
 
 
 def _digest(so) -> tuple:
-    """What the scheduler decided in a step, for step-by-step comparisons."""
+    """What the scheduler decided in a step and every field of the connector metadata it sent, for
+    step-by-step comparisons."""
     meta = so.kv_connector_metadata
     cached = so.scheduled_cached_reqs
     return (
@@ -704,9 +717,12 @@ def _digest(so) -> tuple:
         tuple(zip(cached.req_ids, map(tuple, (b or () for b in cached.new_block_ids)), strict=True)),
         tuple(sorted(so.preempted_req_ids or ())),
         None if meta is None else (
-            tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
-            tuple(meta.command.page_transfers) if meta.command is not None else (),
+            meta.command.page_transfers if meta.command is not None else None,
             meta.host_block_copies,
+            meta.source_block_ids,
+            meta.row_mirrors,
+            meta.all_context_pages_resident,
+            tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
         ),
     )
 

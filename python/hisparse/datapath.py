@@ -254,6 +254,32 @@ class _State(dict):
         super().update(*args, **kwargs)
 
 
+def heat_ranks(pages: int, coldest: int, hottest: int) -> tuple[int, int]:
+    """How many coldest and hottest keys :func:`rank_heat` returns per row of ``pages`` pages."""
+    return min(coldest, pages), min(hottest, pages)
+
+
+def rank_heat(heat: torch.Tensor, eligible: torch.Tensor, coldest: int, hottest: int) -> tuple[torch.Tensor, ...]:
+    """The ranking of ``heat_summary`` over plain tensors, on whatever device they live (no host sync).
+
+    ``heat`` int32 ``[R, P]``, ``eligible`` bool ``[R, P]`` (the pages a row may rank). Returns
+    ``(cold_keys, cold_counts, hot_keys, hot_counts)`` as ``heat::from_ranked_keys`` takes them: keys
+    ``heat * P + page`` (negative heat reads as 0), the coldest ascending, the hottest descending, each
+    ``[R, min(k, P)]``, and how many of each row's keys are eligible. The hottest that are also among the
+    coldest are dropped when the keys are encoded. ``DataPath`` ranks its state with it, and vLLM's worker
+    (``integrations.vllm.heat``) its selection counts."""
+    p = heat.shape[1]
+    pages = torch.arange(p, device=heat.device)
+    # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible pages
+    # rank past either end.
+    key = heat.clamp(min=0).to(torch.int64) * p + pages[None, :]
+    kc, kh = heat_ranks(p, coldest, hottest)
+    cold = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).max), kc, dim=1, largest=False).values
+    hot = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).min), kh, dim=1).values
+    n = eligible.sum(dim=1)
+    return cold, n.clamp(max=kc), hot, n.clamp(max=kh)
+
+
 class HeatSummaryInFlight:
     """A heat summary on its way to the host: ``ready()`` says whether ``take()`` would not wait."""
 
@@ -648,22 +674,14 @@ class DataPath:
     def _rank_heat_torch(self, coldest: int, hottest: int) -> HeatSummaryInFlight:
         """Ranks on the device; one copy of [S, coldest + hottest] keys (and the rows' requests) back."""
         lay, st = self.layout, self.state
-        p = lay.max_pages
-        pages = torch.arange(p, device=self.device)
+        pages = torch.arange(lay.max_pages, device=self.device)
         used = (st["seq_lens"].to(torch.int64) + lay.block_size - 1) // lay.block_size
         running = st["seq_lens"] > 0
         eligible = (st["releasable"] != 0) & (pages[None, :] < used[:, None]) & running[:, None]
-        heat = st["heat"].clamp(min=0).to(torch.int64)
-        # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible pages
-        # rank past either end. The hottest that are also among the coldest are dropped on the host.
-        key = heat * p + pages[None, :]
-        kc, kh = min(coldest, p), min(hottest, p)
-        cold = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).max), kc, dim=1, largest=False).values
-        hot = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).min), kh, dim=1).values
-        n = eligible.sum(dim=1)
+        ranked = rank_heat(st["heat"], eligible, coldest, hottest)
         st["heat"].copy_(torch.where(running[:, None], st["heat"].clamp(min=0) >> 1, st["heat"]))
-        tensors = (cold, n.clamp(max=kc), hot, n.clamp(max=kh), st["row_request"], st["seq_lens"])
-        return HeatSummaryInFlight.copy_back(tensors, (p, kc, kh))
+        return HeatSummaryInFlight.copy_back((*ranked, st["row_request"], st["seq_lens"]),
+                                             (lay.max_pages, *heat_ranks(lay.max_pages, coldest, hottest)))
 
     # ------------------------------------------------------------------ the kernels
 

@@ -4,9 +4,15 @@
 use std::sync::Mutex;
 
 use hisparse_core::pool_policy::{self, PoolPolicy as CorePoolPolicy};
+use hisparse_core::HeatSummary;
 use pyo3::prelude::*;
 
-/// Per-request selection heat, and the release / refresh orders derived from it.
+use crate::errors::PyResultExt;
+
+/// A listed request's free-queue moves: (request id, pages to the front, pages to the back).
+type Moves = (String, Vec<u32>, Vec<u32>);
+
+/// Per-request selection heat, and the release order and free-queue moves derived from it.
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PoolPolicy {
     inner: Mutex<CorePoolPolicy>,
@@ -28,29 +34,30 @@ impl PoolPolicy {
         Self { inner: Mutex::new(CorePoolPolicy::new()) }
     }
 
-    /// Replaces a request's heat with a summary: ``pages[i]`` had ``heat[i]``, coldest first; ``full`` when
-    /// the summary stopped at its size limit (unlisted pages are then hotter than every listed one).
-    fn report(&self, request: &str, pages: Vec<u32>, heat: Vec<u32>, full: bool) -> PyResult<()> {
-        if pages.len() != heat.len() {
-            return Err(crate::errors::invalid(format!(
-                "{} pages but {} heat values",
-                pages.len(),
-                heat.len()
-            )));
-        }
-        self.with(|p| p.report(request, &pages, &heat, full));
-        Ok(())
+    /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
+    /// ``request_ids[i]``, and each request it lists replaces what was known of it; ``hottest``: how many
+    /// hottest pages the worker asked for per request. Returns, per listed request, ``(request_id, front,
+    /// back)``: its listed pages never selected (to move to the front of the free queue) and its selected
+    /// pages to move to the back, each in release order. A malformed summary, or one naming a request past
+    /// ``request_ids``, changes nothing.
+    fn report(
+        &self,
+        py: Python<'_>,
+        summary: &Bound<'_, PyAny>,
+        request_ids: Vec<String>,
+        hottest: usize,
+    ) -> PyResult<Vec<Moves>> {
+        let raw = crate::args::bytes(summary, "summary")?;
+        let summary = py.detach(|| HeatSummary::decode(&raw)).py()?;
+        let moves = self.with(|p| p.report(&summary, &request_ids, hottest)).py()?;
+        Ok(moves.into_iter().map(|m| (request_ids[m.request].clone(), m.front, m.back)).collect())
     }
 
-    /// ``pages`` in the order to release them: coldest first, equal heat newest first.
+    /// ``pages`` in the order to release them: the last summary's coldest, then the pages it did not list
+    /// (oldest first), then its hottest; without a summary, oldest first.
     fn release_order(&self, request: &str, mut pages: Vec<u32>) -> Vec<u32> {
         self.with(|p| p.release_order(request, &mut pages));
         pages
-    }
-
-    /// The released pages the last summary saw selected, coldest first (to move to the free queue's tail).
-    fn refresh_order(&self, request: &str, released: Vec<u32>) -> Vec<u32> {
-        self.with(|p| p.refresh_order(request, &released))
     }
 
     /// Forgets a request.

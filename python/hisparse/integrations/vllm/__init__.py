@@ -10,8 +10,11 @@ HiSparse path on)::
                                "kv_connector_extra_config": {"host_pool_gib": 384, "policy": "coldest"}}'
 
 ``kv_connector_extra_config``: ``host_pool_gib`` (vLLM's, required), ``policy`` (``coldest``, the default,
-or ``fifo``: exactly vLLM's decisions). The package also registers a ``vllm.general_plugins`` entry point
-(:func:`register`), loaded in every vLLM process, which warns up front on an unsupported vLLM.
+or ``fifo``: exactly vLLM's decisions), and for ``coldest`` the heat counting's ``heat_interval`` (steps
+between summaries, 32), ``heat_coldest`` / ``heat_hottest`` (pages ranked per request, 128 / 32) and
+``heat_layer_stride`` (count in every n-th index group, 8). The package also registers a
+``vllm.general_plugins`` entry point (:func:`register`), loaded in every vLLM process, which warns up front
+on an unsupported vLLM.
 
 Why this design (and not hisparse allocating blocks itself)
 -----------------------------------------------------------
@@ -25,8 +28,9 @@ stays the one owner of every block id, and we replace only the *policy*: the sch
 :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which subclasses it and decides
 
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),
-  coldest first by the selection heat the resolver reports, and moves still-selected released pages to the
-  back of the queue (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
+  by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest),
+  and with each heat summary it moves released pages never selected to the front of the queue and the
+  hottest to its back (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
 - when a request takes a hot region: only when what it releases frees more blocks than the region costs
   (vLLM moves every scheduled request once the pool runs low, even one whose pages free less than its
   6 x 64-block hot region);
@@ -39,10 +43,13 @@ host-only prefixes, preemption, MTP lookahead, TP > 1 (the metadata is vLLM's da
 field; the Rust state stays in the engine-core process), refusals (an allocation that cannot be backed is
 ``allocate_slots`` returning None: vLLM waits or preempts; nothing raises out of ``schedule()``).
 
-Heat comes from the workers in :class:`~hisparse.integrations.vllm.connector.HisparseWorkerMetadata`
-(summaries made by :func:`~hisparse.integrations.vllm.heat.summarize_heat`). vLLM's GPU resolver does not
-count selections, and counting them on the GPU worker is not done yet: on a GPU, ``coldest`` runs without
-heat (vLLM's release order), with the transition test and admission headroom above.
+Heat is counted in the workers, on the device, from vLLM's own resolver path: the connector's worker role
+makes vLLM's index-group leader runtimes count the top-K they resolve (inside the forward vLLM captures in
+CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path's ranking, and sends the
+core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
+``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does. The
+counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
+its GPU check (run by ``benches/gpu_check.sh``).
 
 What does not survive: one hot region shared by every index group. vLLM's layout gives each group of up to
 12 layers its own hot blocks (``v1/hisparse/layout.py``); re-packing means changing that layout, the spec

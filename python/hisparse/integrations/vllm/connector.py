@@ -3,55 +3,120 @@
 The class keeps vLLM's name on purpose: vLLM switches its HiSparse path (layout, spec managers, worker
 binding, hot-buffer attention) on by that name (``config/vllm.py:1876``), and ``kv_connector_module_path``
 makes the factory load this class instead of vLLM's (``kv_connector/factory.py:106``).
+
+Scheduler role: :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator` replaces vLLM's
+coordinator. Worker role (``policy: coldest``): a :class:`~hisparse.integrations.vllm.heat.SelectionHeat`
+counts what the resolver selects. vLLM resolves each index group's top-K once, in its leader runtime's
+``HiSparseRuntime._resolve_residency`` (``runtime.py``, on the group's copy stream, inside the forward that
+vLLM captures in CUDA graphs); the counted leaders become :class:`_CountingRuntime`, which runs vLLM's
+resolve and then counts the same top-K, so the count is captured with it. The summaries ride back in
+:class:`HisparseWorkerMetadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector as VllmHiSparseConnector,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+    HiSparseConnectorMetadata,
     HiSparseConnectorWorkerMetadata,
 )
+from vllm.v1.hisparse.runtime import HiSparseRuntime
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
 
-from ...errors import ConfigError
+from ...errors import ConfigError, InvalidArgumentError
 from .coordinator import POLICIES, build_coordinator
-from .heat import Summary
+from .heat import HeatReport, SelectionHeat, check_heat_options
+
+#: ``kv_connector_extra_config`` keys of the heat counting (``SelectionHeat``'s arguments) and defaults.
+HEAT_OPTIONS = {"heat_interval": 32, "heat_coldest": 128, "heat_hottest": 32, "heat_layer_stride": 8}
 
 
 @dataclass
 class HisparseWorkerMetadata(HiSparseConnectorWorkerMetadata):
-    """vLLM's worker -> scheduler metadata plus heat summaries (request id -> ``heat.Summary``). Plain
-    dataclasses of ints: it pickles across vLLM's multi-process executor."""
+    """vLLM's worker -> scheduler metadata plus a heat summary when one reached the host this step. Bytes,
+    strings and ints: it pickles across vLLM's multi-process executor."""
 
-    heat: dict[str, Summary] = field(default_factory=dict)
+    heat: HeatReport | None = None
 
     def aggregate(self, other: Any) -> HisparseWorkerMetadata:
         merged = super().aggregate(other)
-        # Tensor-parallel ranks resolve the same top-K, so their heat agrees: keep the first one per request.
-        heat = {**getattr(other, "heat", {}), **self.heat}
+        # Tensor-parallel ranks resolve the same top-K, so their heat agrees: keep one.
+        heat = self.heat if self.heat is not None else getattr(other, "heat", None)
         return HisparseWorkerMetadata(merged.enqueued_transfer_counts, merged.completed_transfer_counts,
                                       merged.completed_host_copy_dst_ids, heat)
 
 
-def _policy(vllm_config: Any) -> str:
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    policy = extra.get("policy", "coldest")
+class _CountingRuntime(HiSparseRuntime):
+    """A leader runtime that counts the top-K it has just resolved (module docstring). Only the class of
+    vLLM's runtime object changes; its state is vLLM's."""
+
+    selection_heat: SelectionHeat
+
+    def _resolve_residency(self, **kwargs: Any) -> None:
+        super()._resolve_residency(**kwargs)
+        self.selection_heat.count(kwargs["topk_indices"], kwargs["req_id_per_token"], self.request_state_indices)
+
+
+def count_heat_in_resolver(leader_runtimes: list[Any], heat: SelectionHeat) -> int:
+    """Makes the counted index groups' leader runtimes count into ``heat``; returns how many count."""
+    counted = 0
+    for index, runtime in enumerate(leader_runtimes):
+        if not heat.counted(index):
+            continue
+        if type(runtime) is not HiSparseRuntime and not isinstance(runtime, _CountingRuntime):
+            raise ConfigError(f"cannot count heat in a {type(runtime).__name__}: vLLM's HiSparseRuntime expected")
+        runtime.__class__ = _CountingRuntime
+        runtime.selection_heat = heat
+        counted += 1
+    return counted
+
+
+def _extra(vllm_config: Any) -> dict:
+    return vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+
+
+def policy_option(vllm_config: Any) -> str:
+    policy = _extra(vllm_config).get("policy", "coldest")
     if policy not in POLICIES:
         raise ConfigError(f"kv_connector_extra_config.policy must be one of {POLICIES}, not {policy!r}")
     return policy
 
 
+def heat_options(vllm_config: Any) -> dict[str, int]:
+    """The heat options of ``kv_connector_extra_config`` (``HEAT_OPTIONS``), as ``SelectionHeat`` takes them."""
+    extra = _extra(vllm_config)
+    values = {name: extra.get(name, default) for name, default in HEAT_OPTIONS.items()}
+    options = {"interval": values["heat_interval"], "coldest": values["heat_coldest"],
+               "hottest": values["heat_hottest"], "layer_stride": values["heat_layer_stride"]}
+    try:
+        check_heat_options(**options)
+    except InvalidArgumentError as e:
+        raise ConfigError(f"kv_connector_extra_config: {e}") from None
+    return options
+
+
+def build_selection_heat(residency: Any, block_size: int, vllm_config: Any) -> SelectionHeat:
+    """The worker's heat over vLLM's residency table of one resident group (``[state rows, pages]``)."""
+    return SelectionHeat(residency, block_size, tail_pages=ACTIVE_TAIL_PAGES, **heat_options(vllm_config))
+
+
 class HiSparseConnector(VllmHiSparseConnector):
-    """vLLM's ``HiSparseConnector`` whose scheduler side runs :class:`HisparseCoordinator`."""
+    """vLLM's ``HiSparseConnector`` whose scheduler side runs :class:`HisparseCoordinator` and whose worker
+    side counts selection heat (module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        self.policy = _policy(vllm_config)
+        self.policy = policy_option(vllm_config)
+        heat_options(vllm_config)  # refuse bad options in every role, not only where the worker counts
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.selection_heat: SelectionHeat | None = None
         super().__init__(vllm_config, role, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler role
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         assert self.connector_scheduler is not None, "the scheduler role binds the KV cache manager"
@@ -70,8 +135,77 @@ class HiSparseConnector(VllmHiSparseConnector):
                 return None, False
         return 0, False
 
+    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        """vLLM's ``HiSparseConnectorScheduler.build_connector_meta`` (``connector.py:124``), the same calls in
+        the same order and the same metadata, with the coordinator's per-request scans replaced by ones that
+        touch only requests whose step changes something (``HisparseCoordinator``'s bookkeeping section)."""
+        scheduler = self.connector_scheduler
+        coordinator = scheduler.coordinator
+        # HiSparse rebinds worker state every step: the load must run before the forward.
+        scheduler_output.has_sync_kv_loads = True
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        scheduled = tuple((rid, computed[rid], count) for rid, count in scheduler_output.num_scheduled_tokens.items())
+        requests = scheduler.requests
+        coordinator.advance_scheduled(coordinator.with_residency_work(
+            (rid, min(start + count, requests[rid].num_tokens)) for rid, start, count in scheduled))
+        command = coordinator.build_offload_command()
+        host_block_copies = coordinator.take_host_block_copies()
+        source_group = coordinator.host_group_id
+        source_block_ids = [block for r in scheduler_output.scheduled_new_reqs for block in r.block_ids[source_group]]
+        for new_block_ids in cached.new_block_ids:
+            if new_block_ids is not None:
+                source_block_ids.extend(new_block_ids[source_group])
+        lookahead = scheduler.draft_kv_lookahead
+        windows = []
+        for rid, start, count in scheduled:
+            first = max(0, start - requests[rid].num_output_placeholders) if scheduler.async_speculative else start
+            windows.append((rid, first, count + start - first + lookahead))
+        row_mirrors = coordinator.row_mirrors(windows)
+        return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
+                                         coordinator.all_context_pages_resident(scheduled),
+                                         coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
+
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, HisparseWorkerMetadata) and meta.heat:
+        if isinstance(meta, HisparseWorkerMetadata) and meta.heat is not None:
             self.coordinator.report_heat(meta.heat)
+
+    # ------------------------------------------------------------------ worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.policy != "coldest":
+            return  # fifo makes vLLM's decisions: nothing consumes heat
+        worker = self.connector_worker
+        if worker.residency is None:
+            raise ConfigError("vLLM's HiSparse worker has no residency table: no resident cache group?")
+        self.selection_heat = build_selection_heat(worker.residency[0], worker.kernel_block_size, self._vllm_config)
+        count_heat_in_resolver(list(worker.leader_runtimes), self.selection_heat)
+
+    def reset_capture_state(self) -> None:
+        super().reset_capture_state()
+        if self.selection_heat is not None:
+            self.selection_heat.reset()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        if self.selection_heat is not None:
+            meta = self._get_connector_metadata()
+            self.selection_heat.begin_step(kwargs.get("request_ids") or (), kwargs.get("request_state_indices"),
+                                           meta.residency_updates)
+
+    def build_connector_worker_meta(self) -> Any:
+        meta = super().build_connector_worker_meta()
+        if self.selection_heat is None:
+            return meta
+        report = self.selection_heat.end_step()
+        if meta is None:
+            return None if report is None else HisparseWorkerMetadata({}, {}, (), report)
+        # Ours even without a report: vLLM aggregates the ranks' metadata with the first rank's aggregate(),
+        # and vLLM's class would drop a report that another rank's summary brought this step (a summary
+        # reaches the host when its copy has passed, which need not be the same step on every rank).
+        return HisparseWorkerMetadata(meta.enqueued_transfer_counts, meta.completed_transfer_counts,
+                                      meta.completed_host_copy_dst_ids, report)

@@ -11,7 +11,8 @@ the decisions that are policy (package docstring):
                       can grant the region without vLLM preempting anyone. Filling the admission window
                       still always moves it: pinned pages past the window could outgrow the pool.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
-                      reuses them: vLLM's is newest first; ``coldest`` is coldest first by reported heat.
+                      reuses them: vLLM's is newest first; ``coldest`` is the core's order from the last
+                      heat summary (its coldest pages, then the unlisted oldest first, then its hottest).
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
                       (an answer of None makes vLLM leave the request waiting this step): a new request is
                       admitted only while the pool keeps, after its peak need (every indexer page, two
@@ -21,28 +22,33 @@ the decisions that are policy (package docstring):
                       as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one.
-``report_heat``       (new) a heat summary from the workers: released pages that are still selected move to
-                      the back of the free queue (``touch`` + ``unpin_blocks``), coldest first, hottest last.
+``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
+                      the released pages it found never selected move to the front of vLLM's free queue,
+                      its hottest to the back, so the pool reuses never-selected pages first and the hottest
+                      last.
 
 ``fifo`` overrides nothing: every decision is vLLM's, which is what the parity test checks step by step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVRowMirror
 
 from ..._core import PoolPolicy
-from ...errors import ConfigError
-from .heat import Summary
+from ...errors import ConfigError, InvalidArgumentError
+from .heat import HeatReport
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 POLICIES = ("coldest", "fifo")
+
+logger = logging.getLogger(__name__)
 
 
 class HisparseCoordinator(HiSparseCoordinator):
@@ -59,6 +65,10 @@ class HisparseCoordinator(HiSparseCoordinator):
         self.counters: Counter[str] = Counter()
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
+        # Requests known to hold their hot regions (``_can_read_from_host``).
+        self._reads_host: set[str] = set()
+        # The request last found reading a host-only page (``all_context_pages_resident``).
+        self._reads_host_hint: str | None = None
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -129,6 +139,161 @@ class HisparseCoordinator(HiSparseCoordinator):
         super().advance_scheduled(requests)
         self._deferred = False
 
+    # ------------------------------------------------------------------ per-step bookkeeping, O(what changed)
+    #
+    # vLLM's connector runs every per-step scan over every scheduled request; these give the same results
+    # while touching only requests whose step changes something (``connector.build_connector_meta`` calls
+    # them in vLLM's order; ``tests/test_vllm_integration.py`` compares every metadata field with vLLM's).
+
+    def _can_read_from_host(self, request_id: str) -> bool:
+        # Once true it stays true until the request is freed: hot regions are only given back by
+        # pop_blocks_for_free, which frees the request here first (free() forgets it).
+        if request_id in self._reads_host:
+            return True
+        if super()._can_read_from_host(request_id):
+            self._reads_host.add(request_id)
+            return True
+        return False
+
+    def with_residency_work(self, requests) -> list[tuple[str, int]]:
+        """The ``(request, tokens computed after the step)`` pairs for which ``advance_scheduled`` does
+        anything: a sealed page without a host copy planned (``plan_prefix_materialization``'s range is not
+        empty), or a residency decision that is not a no-op (a prefix to adopt, clean pages still pinned, or
+        no hot region yet). The others are steady decodes already reading through a hot region."""
+        if not self.resident_managers:
+            return []
+        block_size = self.host_manager.block_size
+        reprefill = self.num_reprefillable_tokens
+        imports = self._pending_imports
+        states = self.request_states
+        resident = self.resident_managers[0].req_to_blocks
+        out = []
+        for request_id, num_tokens in requests:
+            state = states.get(request_id)
+            if state is None:
+                out.append((request_id, num_tokens))
+                continue
+            sealed = max(0, num_tokens - reprefill) // block_size
+            first = state.ready_prefix_pages
+            if imports:
+                first = max(first, -(-imports.get(request_id, 0) // block_size))
+            # A clean page still pinned is released only once it leaves the tail (_resident_page_blocks):
+            # a pinned page in the tail, the usual case, is no work. Counted by membership, not by iterating
+            # the set, whose table keeps the size it had when the request last held many pinned pages.
+            pinned = state.pinned_clean
+            unpinnable = False
+            if pinned:
+                pages = len(resident.get(request_id, ()))
+                in_tail = sum(page in pinned for page in range(max(0, pages - ACTIVE_TAIL_PAGES), pages))
+                unpinnable = len(pinned) > in_tail
+            if first < sealed or state.pages_to_adopt or unpinnable or not self._can_read_from_host(request_id):
+                out.append((request_id, num_tokens))
+        return out
+
+    def row_mirrors(self, requests) -> dict[str, tuple[SparseKVRowMirror, ...]]:
+        """``build_row_mirrors`` of each ``(request, first token, tokens)`` on its own, in one pass: what
+        vLLM's connector sends per request (one new row per decode step, so this is what changed)."""
+        out: dict[str, tuple[SparseKVRowMirror, ...]] = {}
+        if not self.resident_managers or self.host_manager is None:
+            return {request_id: () for request_id, _, _ in requests}
+        block_size = self.resident_managers[0].block_size
+        tables = [(m.req_to_blocks, m.residency_changes) for m in self.resident_managers]
+        host_tables = self.host_manager.req_to_blocks
+        for request_id, start, count in requests:
+            host_blocks = host_tables.get(request_id)
+            rows = [(blocks.get(request_id), changes.get(request_id)) for blocks, changes in tables]
+            if host_blocks is None or any(row is None for row, _ in rows):
+                out[request_id] = ()
+                continue
+            mirrors = []
+            position, end = start, start + count
+            while position < end:
+                page, offset = divmod(position, block_size)
+                num_rows = min(block_size - offset, end - position)
+                position += num_rows
+                sources = []
+                for row, changes in rows:
+                    if page >= len(row):
+                        break
+                    block = row[page]
+                    if changes:
+                        block = changes.get(page, block)
+                    if block.is_null:
+                        break
+                    sources.append(block.block_id * block_size + offset)
+                else:
+                    if page < len(host_blocks) and not (host := host_blocks[page]).is_null:
+                        mirrors.append(SparseKVRowMirror(tuple(sources), host.block_id * block_size + offset,
+                                                         num_rows))
+            out[request_id] = tuple(mirrors)
+        return out
+
+    def all_context_pages_resident(self, requests) -> bool:
+        """vLLM's answer (``coordinator.py:676``: every scheduled request has the blocks of its context and reads
+        only resident pages), which holds of all the requests together, so their order is free: the request
+        last found reading from the host goes first (under pressure it usually still is, and the answer is
+        then False at once), and a row is searched for a host-only page without being copied, stopping at the
+        first. Requests found fully resident are cached in vLLM's set, as vLLM does."""
+        if not self.resident_managers:
+            return False
+        first = self.resident_managers[0]
+        block_size = first.block_size
+        requests = list(requests)
+        hint = self._reads_host_hint
+        at = next((i for i, (request_id, _, _) in enumerate(requests) if request_id == hint), 0) if hint else 0
+        if at:
+            requests[0], requests[at] = requests[at], requests[0]
+        for request_id, num_computed_tokens, num_scheduled_tokens in requests:
+            if len(first.req_to_blocks.get(request_id, ())) < -(-(num_computed_tokens + num_scheduled_tokens)
+                                                                 // block_size):
+                return False
+            if request_id in self._resident_requests:
+                continue
+            if self._has_host_only_page(request_id):
+                self._reads_host_hint = request_id
+                return False
+            self._resident_requests.add(request_id)
+        return True
+
+    def _has_host_only_page(self, request_id: str) -> bool:
+        """Whether a resident group's row, with its residency changes (``get_residency_row``), holds a null
+        block."""
+        for manager in self.resident_managers:
+            row = manager.req_to_blocks.get(request_id, ())
+            changes = manager.residency_changes.get(request_id)
+            if changes:
+                if any(block.is_null and page < len(row) for page, block in changes.items()):
+                    return True
+                if any(block.is_null and changes.get(page, block).is_null for page, block in enumerate(row)):
+                    return True
+            elif any(block.is_null for block in row):
+                return True
+        return False
+
+    def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
+        # Called for every request after every step. When the durable prefix publishes nothing new, records
+        # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
+        # publication cleared): skip the publication object and the host manager's call.
+        manager = self.host_manager
+        state = self.request_states.get(request.request_id) if manager is not None else None
+        if state is not None and self.resident_managers:
+            block_size = manager.block_size
+            num_pages = num_computed_tokens // block_size
+            ready = state.ready_prefix_pages
+            if ready >= num_pages:
+                num_tokens = min(num_computed_tokens, ready * block_size)
+                hashed = len(request.block_hashes) * manager.block_pool.hash_block_size
+                cached = manager.num_cached_block.get(request.request_id, 0)
+                host_blocks = manager.req_to_blocks.get(request.request_id)
+                recorded = not host_blocks or state.copies_recorded_blocks >= min(num_tokens // block_size,
+                                                                                   len(host_blocks))
+                if recorded and (not manager.kv_cache_spec.prefix_cacheable
+                                 or cached >= min(num_tokens, hashed) // block_size):
+                    state.publication = None
+                    return
+        super().publish_when_ready(request, num_computed_tokens, retention_interval,
+                                   replay_boundaries=replay_boundaries)
+
     # ------------------------------------------------------------------ release (= reuse) order
 
     def _unpin_clean_pages(self, request_id, state) -> None:
@@ -140,31 +305,53 @@ class HisparseCoordinator(HiSparseCoordinator):
             if self._unpin_page(request_id, state, page_idx):
                 self.counters["released"] += 1
 
-    def report_heat(self, summaries: dict[str, Summary]) -> None:
-        """A heat summary per request (``heat.py``): remember it, and move released pages that are still
-        selected to the back of the free queue, coldest first."""
+    def report_heat(self, report: HeatReport) -> None:
+        """A heat summary from the workers (``heat.py``): remember it, and move each request's released pages
+        it found never selected to the front of the free queue (reused first) and its selected hottest to the
+        back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked at: O(coldest +
+        hottest) per request."""
         if self.policy == "fifo":
             return
-        for request_id, (pages, heat, full) in summaries.items():
+        try:
+            moves = self.order.report(report.summary, list(report.request_ids), report.hottest)
+        except InvalidArgumentError as e:
+            # Heat only orders releases; a summary the core refuses must not take vLLM's engine down.
+            logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
+            self.counters["heat_refused"] += 1
+            return
+        for request_id, front, back in moves:
             state = self.request_states.get(request_id)
-            if state is None:
+            if state is None:  # finished or preempted since the summary was taken
+                self.order.forget(request_id)
                 continue
-            self.order.report(request_id, list(pages), list(heat), full)
-            for page_idx in self.order.refresh_order(request_id, list(state.unpinned_pages)):
-                self._refresh(request_id, page_idx)
+            released = state.unpinned_pages
+            self._move_released(request_id, [p for p in front if p in released], front=True)
+            self._move_released(request_id, [p for p in back if p in released], front=False)
 
-    def _refresh(self, request_id: str, page_idx: int) -> None:
-        blocks = [manager.get_resident_page(request_id, page_idx) for manager in self.resident_managers]
-        if any(block is None or block.is_null for block in blocks):
-            return  # lost already
-        for manager, block in zip(self.resident_managers, blocks, strict=True):
-            # touch takes the block out of the free queue, unpin_blocks puts it back at the tail.
-            manager.block_pool.touch([block])
-            manager.block_pool.unpin_blocks([block], self._on_block_reused)
-        self.counters["refreshed"] += 1
+    def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
+        """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
+        vLLM's free queue. A block that is not in the queue (reused already, or adopted by another request)
+        stays where it is; the reuse watcher ``unpin_blocks`` registered stays, so reuse is still noticed."""
+        if not pages:
+            return
+        queue = self.gpu_pool.free_block_queue
+        moved = []
+        for page_idx in pages:
+            for manager in self.resident_managers:
+                block = manager.get_resident_page(request_id, page_idx)
+                if block is not None and block.ref_cnt == 0 and block.prev_free_block is not None:
+                    queue.remove(block)
+                    moved.append(block)
+        # remove() and the insert below each count the block once: the pool's free count is unchanged.
+        if front:
+            queue.prepend_n(moved)
+        else:
+            queue.append_n(moved)
+        self.counters["moved_to_front" if front else "moved_to_back"] += len(moved)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
+        self._reads_host.discard(request_id)
         self.order.forget(request_id)
 
 

@@ -1,44 +1,183 @@
-"""Selection-heat summaries, worker side (torch only: the same code on CPU tensors and on the GPU).
+"""Selection heat in vLLM's worker: counted on the device where the resolver reads the top-K, ranked with the
+data path's ranking, sent to the scheduler as the core's ``HeatSummary``.
 
-The resolver counts, per request state row and page, how often the indexer selected a row of the page
-(``heat[row, page]``, ``cuda/SPEC.md``). Every ``heat_interval`` steps the worker sends the scheduler, per
-request, up to ``limit`` (page, heat) pairs, coldest first, among the request's resident pages that have a
-durable host copy (the pages the scheduler may release), then halves every count so that old selections
-fade. The scheduler's :class:`~hisparse._core.PoolPolicy` turns summaries into release and reuse order.
+:class:`SelectionHeat` is the whole worker side, on whatever device its tensors live: the GPU worker
+(``connector.HiSparseConnector``) and the CPU harness (``tests/vllm_harness.py``) run the same code.
 
-A summary is ``(pages, heat, full)``: ``full`` when the limit cut it short, in which case every candidate page
-it does not list was at least as hot as the hottest it lists.
+- :meth:`SelectionHeat.count`, inside the forward, per index group: ``heat[state row, page] += 1`` for each
+  selected position of each query row. Fixed shapes, no host sync, no allocation that outlives the call:
+  it is captured with the resolver in vLLM's CUDA graphs. Padding rows (batch row or state row < 0) and
+  padding positions (< 0) land in one spare element past the table.
+- :meth:`SelectionHeat.begin_step`, before the forward (eager): a state row that now serves another
+  request starts cold, and the pages each row has come from the scheduler's residency updates (the same
+  ones vLLM applies to its residency table).
+- :meth:`SelectionHeat.end_step`, after the forward: every ``interval`` steps (sooner at first: steps 1,
+  2, 4, ...) it ranks the batch's rows with :func:`hisparse.datapath.rank_heat` (DataPath's ranking) over
+  the pages the scheduler may release or move (resident, outside the ``tail_pages`` vLLM keeps pinned),
+  halves their counts (``heat.rs`` gives the decay rule), and copies the keys back through pinned memory
+  behind an event; a later step sends the encoded summary once the event has passed. Nothing waits.
 
-This is the coldest half of ``DataPath.heat_summary``'s ranking, over tensors the caller hands in: vLLM's
-worker keeps vLLM's tables, not a ``DataPath``. It should become that one ranking (and its encoding) once the
-GPU worker counts heat; today only the CPU harness calls it.
+Counts are per query row: an MTP request's verification rows each count their selections (the core's
+resolver counts a request's distinct positions once); the scheduler only compares pages of one request, so
+this scales a request's heat without reordering what a single row selects. vLLM's prefill-sized batches
+that read only resident pages skip the resolver (``index_group.py``), so prefill selections are not counted.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
 import torch
 
-Summary = tuple[tuple[int, ...], tuple[int, ...], bool]
+from ...datapath import HeatSummaryInFlight, _to_device, heat_ranks, rank_heat
+from ...errors import InvalidArgumentError
+
+__all__ = ["HeatReport", "SelectionHeat", "check_heat_options"]
 
 
-def summarize_heat(
-    heat: torch.Tensor, candidates: torch.Tensor, rows: dict[str, int], limit: int
-) -> dict[str, Summary]:
-    """``heat`` int32 ``[S, P]``; ``candidates`` bool ``[S, P]`` (resident, with a durable host copy);
-    ``rows``: request id -> state row. Halves ``heat`` in place afterwards (decay)."""
-    out: dict[str, Summary] = {}
-    if rows:
-        ids = list(rows)
-        index = torch.as_tensor([rows[r] for r in ids], dtype=torch.long, device=heat.device)
-        h = heat.index_select(0, index).to(torch.int64)
-        mask = candidates.index_select(0, index)
-        # Non-candidates sort after every candidate; ties keep page order (stable).
-        key = torch.where(mask, h, torch.iinfo(torch.int64).max)
-        order = torch.sort(key, dim=1, stable=True).indices[:, :limit]
-        counts = mask.sum(dim=1)
-        top_heat = torch.gather(h, 1, order)
-        for i, rid in enumerate(ids):
-            n = min(int(counts[i]), limit)
-            out[rid] = (tuple(order[i, :n].tolist()), tuple(top_heat[i, :n].tolist()), int(counts[i]) > limit)
-    heat.div_(2, rounding_mode="floor")
-    return out
+@dataclass(frozen=True)
+class HeatReport:
+    """An encoded ``HeatSummary`` (``_core.decode_heat_summary`` reads it) whose request ``i`` is
+    ``request_ids[i]``, ranked with ``hottest`` hottest pages asked for per request (a request listing fewer
+    had every page listed). Bytes, strings and ints: it pickles across vLLM's multi-process executor."""
+
+    summary: bytes
+    request_ids: tuple[str, ...]
+    hottest: int
+
+
+def _positive(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**24:
+        raise InvalidArgumentError(f"{name} must be an integer in {low}..2**24, not {value!r}")
+    return value
+
+
+def check_heat_options(interval: object, coldest: object, hottest: object, layer_stride: object) -> None:
+    """Refuses options :class:`SelectionHeat` cannot take (``InvalidArgumentError``)."""
+    for name, value, low in (("heat_interval", interval, 1), ("heat_coldest", coldest, 0),
+                             ("heat_hottest", hottest, 0), ("heat_layer_stride", layer_stride, 1)):
+        _positive(name, value, low)
+
+
+class SelectionHeat:
+    """Heat of one worker's state rows (module docstring).
+
+    ``residency``: vLLM's residency table of one resident group, int32 ``[S, P]`` by state row and page (0:
+    read from the host), on the worker's device. ``tail_pages``: a request's last pages, which vLLM never
+    releases (``ACTIVE_TAIL_PAGES``), left out of the ranking. ``interval``: steps between summaries; ``coldest`` /
+    ``hottest``: pages each summary ranks per request; ``layer_stride``: count in every ``layer_stride``-th
+    index group (each counted group costs a few small kernels in every decode step)."""
+
+    def __init__(self, residency: torch.Tensor, block_size: int, *, tail_pages: int, interval: int = 32,
+                 coldest: int = 128, hottest: int = 32, layer_stride: int = 8):
+        if not isinstance(residency, torch.Tensor) or residency.dim() != 2 or residency.dtype != torch.int32:
+            raise InvalidArgumentError("residency must be vLLM's int32 [state rows, pages] residency table")
+        self.block_size = _positive("block_size", block_size, 1)
+        self.tail_pages = _positive("tail_pages", tail_pages, 0)
+        check_heat_options(interval, coldest, hottest, layer_stride)
+        self.interval, self.coldest, self.hottest, self.layer_stride = interval, coldest, hottest, layer_stride
+        self.residency = residency
+        s, p = residency.shape
+        dev = residency.device
+        self._flat = torch.zeros(s * p + 1, dtype=torch.int32, device=dev)
+        self.heat = self._flat[: s * p].view(s, p)
+        # Per state row: the request it serves (a hash of its id; a row that changes hands starts cold) and
+        # the pages it has (from the residency updates).
+        self._owner = torch.zeros(s, dtype=torch.int64, device=dev)
+        self._pages = torch.zeros(s, dtype=torch.int32, device=dev)
+        self._page_index = torch.arange(p, device=dev)
+        self._cuda = dev.type == "cuda"
+        self._ids: tuple[str, ...] = ()
+        self._owner_ids: tuple[str, ...] = ()  # the batch whose rows' owners were last checked
+        self._rows: torch.Tensor | None = None
+        self._steps = 0
+        self._pending: deque[tuple[HeatSummaryInFlight, tuple[str, ...]]] = deque()
+
+    def reset(self) -> None:
+        """Forgets every count and row (after vLLM's CUDA-graph capture, whose dummy forwards count too)."""
+        self._flat.zero_()
+        self._owner.zero_()
+        self._pages.zero_()
+        self._owner_ids, self._ids, self._rows = (), (), None
+
+    def counted(self, index_group: int) -> bool:
+        """Whether :meth:`count` runs in this index group (by its position among the index groups)."""
+        return index_group % self.layer_stride == 0
+
+    # ------------------------------------------------------------------ in the forward (captured)
+
+    def count(self, topk: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor) -> None:
+        """``topk`` ``[T, K]`` selected positions (< 0 pads) of query row ``t``, which belongs to batch row
+        ``batch_rows[t]`` (< 0: padding), whose state row is ``state_rows[batch row]`` (< 0: none)."""
+        s, p = self.heat.shape
+        rows = state_rows.index_select(0, batch_rows.clamp(min=0).to(torch.int64)).to(torch.int64)
+        live = (batch_rows >= 0) & (rows >= 0)
+        page = topk.to(torch.int64).div(self.block_size, rounding_mode="floor")
+        ok = live[:, None] & (topk >= 0) & (page < p)
+        flat = torch.where(ok, rows[:, None] * p + page, s * p).view(-1)
+        self._flat.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32, device=flat.device))
+
+    # ------------------------------------------------------------------ around the forward (eager)
+
+    def begin_step(self, request_ids: Sequence[str], state_rows: torch.Tensor | None,
+                   residency_updates: Mapping[str, object]) -> None:
+        """Before the forward: ``request_ids`` in batch order, ``state_rows`` their state rows (vLLM's
+        ``idx_mapping``, at least ``len(request_ids)`` long), and the step's residency updates (vLLM's
+        ``SparseKVResidencyUpdate`` by request id)."""
+        ids = tuple(request_ids)
+        self._ids, self._rows = ids, None
+        if not ids or state_rows is None:
+            return
+        dev = self.heat.device
+        rows = state_rows[: len(ids)].to(device=dev, dtype=torch.int64, copy=True)  # this step's, kept
+        self._rows = rows
+        if ids != self._owner_ids:
+            # hash() is stable within this process, which is all the table needs; a collision would only
+            # keep a row's heat across two requests.
+            codes = _to_device(torch.tensor([hash(r) for r in ids], dtype=torch.int64), dev)
+            changed = (self._owner.index_select(0, rows) != codes)
+            self.heat.index_copy_(0, rows, torch.where(changed[:, None], 0, self.heat.index_select(0, rows)))
+            self._pages.index_copy_(0, rows, torch.where(changed, 0, self._pages.index_select(0, rows)))
+            self._owner.index_copy_(0, rows, codes)
+            self._owner_ids = ids
+        if residency_updates:
+            at = {rid: i for i, rid in enumerate(ids)}
+            pairs = [(at[rid], max(u.pages) + 1) for rid, u in residency_updates.items() if u.pages and rid in at]
+            if pairs:
+                host = torch.tensor(pairs, dtype=torch.int64)
+                pairs_dev = _to_device(host, dev)
+                upd_rows = rows.index_select(0, pairs_dev[:, 0])
+                grown = torch.maximum(self._pages.index_select(0, upd_rows), pairs_dev[:, 1].to(torch.int32))
+                self._pages.index_copy_(0, upd_rows, grown)
+
+    def end_step(self) -> HeatReport | None:
+        """After the forward: starts a summary when one is due, and returns the newest summary that has
+        reached the host (None if none has)."""
+        if self._rows is not None:
+            self._steps += 1
+            n = self._steps
+            if n % self.interval == 0 or (n < self.interval and not n & (n - 1)):
+                self._start_summary(self._ids, self._rows)
+            self._rows = None
+        report = None
+        while self._pending and self._pending[0][0].ready():
+            summary, ids = self._pending.popleft()
+            report = HeatReport(summary.take(), ids, self.hottest)
+        return report
+
+    def _start_summary(self, ids: tuple[str, ...], rows: torch.Tensor) -> None:
+        s, p = self.heat.shape
+        heat = self.heat.index_select(0, rows)
+        limit = self._pages.index_select(0, rows) - self.tail_pages
+        eligible = (self.residency.index_select(0, rows) != 0) & (self._page_index[None, :] < limit[:, None])
+        ranked = rank_heat(heat, eligible, self.coldest, self.hottest)
+        self.heat.index_copy_(0, rows, heat.clamp(min=0) >> 1)
+        n = len(ids)
+        # The summary's request i is batch row i; every row serves a request (a positive "length").
+        batch = torch.arange(n, dtype=torch.int64, device=rows.device)
+        serving = torch.ones(n, dtype=torch.int32, device=rows.device)
+        inflight = HeatSummaryInFlight.copy_back((*ranked, batch, serving), (p, *heat_ranks(p, self.coldest,
+                                                                                             self.hottest)))
+        self._pending.append((inflight, ids))
