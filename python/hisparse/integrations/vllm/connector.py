@@ -18,22 +18,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+from . import check_vllm_version
+
+# Before vLLM's modules: on another version they may fail to import with a less helpful message.
+check_vllm_version()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (  # noqa: E402
     HiSparseConnector as VllmHiSparseConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (  # noqa: E402
     HiSparseConnectorMetadata,
     HiSparseConnectorWorkerMetadata,
 )
-from vllm.v1.hisparse.runtime import HiSparseRuntime
-from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.runtime import HiSparseRuntime  # noqa: E402
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
-from ...errors import ConfigError, InvalidArgumentError
-from .coordinator import POLICIES, build_coordinator
-from .heat import HeatReport, SelectionHeat, check_heat_options
+from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
+from .coordinator import POLICIES, build_coordinator  # noqa: E402
+from .heat import HeatReport, SelectionHeat, check_heat_options  # noqa: E402
 
 #: ``kv_connector_extra_config`` keys of the heat counting (``SelectionHeat``'s arguments) and defaults.
 HEAT_OPTIONS = {"heat_interval": 32, "heat_coldest": 128, "heat_hottest": 32, "heat_layer_stride": 8}
+#: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest.
+EXTRA_CONFIG_KEYS = ("host_pool_gib", "policy", *HEAT_OPTIONS)
 
 
 @dataclass
@@ -80,6 +87,14 @@ def _extra(vllm_config: Any) -> dict:
     return vllm_config.kv_transfer_config.kv_connector_extra_config or {}
 
 
+def check_extra_keys(vllm_config: Any) -> None:
+    """A misspelt key would silently leave its option at the default (``polcy: fifo`` would run ``coldest``)."""
+    unknown = sorted(set(_extra(vllm_config)) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config has unknown keys {unknown}; HiSparseConnector takes "
+                          f"{list(EXTRA_CONFIG_KEYS)}")
+
+
 def policy_option(vllm_config: Any) -> str:
     policy = _extra(vllm_config).get("policy", "coldest")
     if policy not in POLICIES:
@@ -110,6 +125,8 @@ class HiSparseConnector(VllmHiSparseConnector):
     side counts selection heat (module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        check_vllm_version()  # also when the class was imported before (e.g. by this submodule's path)
+        check_extra_keys(vllm_config)
         self.policy = policy_option(vllm_config)
         heat_options(vllm_config)  # refuse bad options in every role, not only where the worker counts
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
@@ -130,8 +147,11 @@ class HiSparseConnector(VllmHiSparseConnector):
         """Nothing is loaded from outside vLLM; None (wait) when admitting the request now would leave too
         little headroom for the running ones (``HisparseCoordinator.admit``)."""
         if self.connector_scheduler is not None and self.coordinator is not None:
+            # vLLM ignores the answer for a request that reads no prefix cache (prompt_logprobs,
+            # scheduler.py:1143): it starts now whatever we say, and the refusal still holds the queue behind it.
+            can_wait = not request.skip_reading_prefix_cache
             if not self.coordinator.admit(request.request_id, request.num_tokens, num_computed_tokens,
-                                          self._admission_tokens):
+                                          self._admission_tokens, can_wait=can_wait) and can_wait:
                 return None, False
         return 0, False
 

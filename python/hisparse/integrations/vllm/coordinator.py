@@ -102,13 +102,27 @@ class HisparseCoordinator(HiSparseCoordinator):
 
     # ------------------------------------------------------------------ admission headroom
 
-    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int) -> bool:
+    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
+              can_wait: bool = True) -> bool:
         """Whether a waiting request of ``num_tokens``, ``num_computed_tokens`` of them a prefix hit, may start
         now, its prompt being scheduled ``admission_tokens`` at a time (module docstring). ``fifo`` always says
-        yes, as vLLM does; so does an engine with no request holding blocks (which could never make room)."""
+        yes, as vLLM does; so does an engine with no request holding blocks (which could never make room).
+        Once one request is refused, every later one waits behind it until the next ``schedule()``: vLLM's
+        waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
+        long request would otherwise be overtaken by every shorter one for as long as they keep coming).
+        ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if self.policy == "fifo" or num_running == 0:
             return True
+        if not self._deferred and self._has_headroom(num_tokens, num_computed_tokens, admission_tokens,
+                                                     num_running):
+            return True
+        self.counters["admissions_deferred" if can_wait else "admissions_forced"] += 1
+        self._deferred = True
+        return False
+
+    def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
+                      num_running: int) -> bool:
         block_size = self.resident_managers[0].block_size
         pages = -(-num_tokens // block_size)
         new_pages = pages - num_computed_tokens // block_size
@@ -129,11 +143,7 @@ class HisparseCoordinator(HiSparseCoordinator):
         # One more hot region, unless every running request already reads through its own.
         spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) for rid in running) else 0
         reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
-        if free - need >= reserve:
-            return True
-        self.counters["admissions_deferred"] += 1
-        self._deferred = True
-        return False
+        return free - need >= reserve
 
     def advance_scheduled(self, requests) -> None:
         super().advance_scheduled(requests)
