@@ -46,8 +46,11 @@ MIN_TABLE = 4 * RESOLVE_THREADS
 # Beyond that the table takes up to SPARSE_TABLE entries per selected position, as far as shared memory allows:
 # resolve runs one CTA per SM (its registers fill the SM), so the memory is otherwise idle, and in a sparser
 # table probes end sooner. Hit-only resolve at top-K 2048 and batch 128 took 12-14% fewer cycles on an H200 with
-# 8 entries per position than with 2 (hot regions of 4,096 and 10,240 rows).
+# 8 entries per position than with 2 (hot regions of 4,096 and 10,240 rows). The sparse table stops at what was
+# measured, 16,384 entries (128 KiB): shared memory and the L1 cache share an SM's memory, and resolve's
+# scattered loads (page table, heat, plan) use the L1 cache.
 SPARSE_TABLE = 8
+SPARSE_TABLE_MAX = 16384
 INT32_LIMIT = 2**31
 
 
@@ -96,7 +99,7 @@ def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_reque
             f"resolve needs {8 * MIN_TABLE + fixed + static} bytes of shared memory for {batch_rows} batch rows "
             f"and {hot_rows} hot rows; this GPU allows {limit}: use fewer batch rows or hot rows"
         )
-    capacity = min(max(needed, SPARSE_TABLE * selection), room)
+    capacity = min(max(needed, min(SPARSE_TABLE * selection, SPARSE_TABLE_MAX)), room)
     return ResolveShared(
         capacity=capacity,
         dynamic_bytes=8 * capacity + fixed,
