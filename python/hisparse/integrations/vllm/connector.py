@@ -137,7 +137,9 @@ class HiSparseConnector(VllmHiSparseConnector):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         assert self.connector_scheduler is not None, "the scheduler role binds the KV cache manager"
-        self.connector_scheduler.bind_coordinator(build_coordinator(kv_cache_manager, self.policy))
+        coordinator = build_coordinator(kv_cache_manager, self.policy)
+        coordinator.requests = self.connector_scheduler.requests
+        self.connector_scheduler.bind_coordinator(coordinator)
 
     @property
     def coordinator(self):
@@ -150,8 +152,9 @@ class HiSparseConnector(VllmHiSparseConnector):
             # vLLM ignores the answer for a request that reads no prefix cache (prompt_logprobs,
             # scheduler.py:1143): it starts now whatever we say, and the refusal still holds the queue behind it.
             can_wait = not request.skip_reading_prefix_cache
+            longest = request.num_prompt_tokens + request.max_tokens if request.max_tokens is not None else None
             if not self.coordinator.admit(request.request_id, request.num_tokens, num_computed_tokens,
-                                          self._admission_tokens, can_wait=can_wait) and can_wait:
+                                          self._admission_tokens, can_wait=can_wait, longest=longest) and can_wait:
                 return None, False
         return 0, False
 

@@ -69,6 +69,10 @@ class HisparseCoordinator(HiSparseCoordinator):
         self._reads_host: set[str] = set()
         # The request last found reading a host-only page (``all_context_pages_resident``).
         self._reads_host_hint: str | None = None
+        # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
+        self.requests: dict = {}
+        self._admission_pages = min((m.max_admission_blocks_per_request for m in self.resident_managers),
+                                    default=0)
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -103,26 +107,43 @@ class HisparseCoordinator(HiSparseCoordinator):
     # ------------------------------------------------------------------ admission headroom
 
     def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-              can_wait: bool = True) -> bool:
+              can_wait: bool = True, longest: int | None = None) -> bool:
         """Whether a waiting request of ``num_tokens``, ``num_computed_tokens`` of them a prefix hit, may start
         now, its prompt being scheduled ``admission_tokens`` at a time (module docstring). ``fifo`` always says
         yes, as vLLM does; so does an engine with no request holding blocks (which could never make room).
         Once one request is refused, every later one waits behind it until the next ``schedule()``: vLLM's
         waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
         long request would otherwise be overtaken by every shorter one for as long as they keep coming).
-        ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
+        ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart.
+        ``longest``: the most tokens the request can reach (prompt + max_tokens), when known."""
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if self.policy == "fifo" or num_running == 0:
             return True
+        short = longest is not None and not num_computed_tokens and self._never_takes_hot_region(longest)
         if not self._deferred and self._has_headroom(num_tokens, num_computed_tokens, admission_tokens,
-                                                     num_running):
+                                                     num_running, short):
             return True
         self.counters["admissions_deferred" if can_wait else "admissions_forced"] += 1
         self._deferred = True
         return False
 
+    def _never_takes_hot_region(self, longest: int) -> bool:
+        """Whether a request that never grows past ``longest`` tokens can never be moved to a hot region
+        (``update_residency``): it never fills its admission window, and its releasable pages never free more
+        blocks than a region costs. Short requests are most requests; no region need be kept for them."""
+        pages = -(-longest // self.resident_managers[0].block_size)
+        releasable = max(0, pages - ACTIVE_TAIL_PAGES)
+        return pages < self._admission_pages and not PoolPolicy.worth_transition(releasable, self.blocks_per_page,
+                                                                                  self.hot_cost)
+
+    def _may_take_hot_region(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.max_tokens is None:
+            return True
+        return not self._never_takes_hot_region(request.num_prompt_tokens + request.max_tokens)
+
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-                      num_running: int) -> bool:
+                      num_running: int, short: bool) -> bool:
         block_size = self.resident_managers[0].block_size
         pages = -(-num_tokens // block_size)
         new_pages = pages - num_computed_tokens // block_size
@@ -133,15 +154,16 @@ class HisparseCoordinator(HiSparseCoordinator):
         # with a prefix hit (whose pages may be on the host only).
         need = pages + min(new_pages, 2 * window) * self.blocks_per_page
         free = self.gpu_pool.get_num_free_blocks()
-        if new_pages > window or num_computed_tokens or free - need < self.transition_watermark:
+        if not short and (new_pages > window or num_computed_tokens or free - need < self.transition_watermark):
             # It will read through a hot region: too long for one window, a prefix hit, or admitted into a
             # pool that is then low enough to move it at once.
             need += self.hot_cost
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
         running = self.resident_managers[0].req_to_blocks
-        # One more hot region, unless every running request already reads through its own.
-        spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) for rid in running) else 0
+        # One more hot region, unless every running request already reads through its own or never will.
+        spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid)
+                                         for rid in running) else 0
         reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
         return free - need >= reserve
 
