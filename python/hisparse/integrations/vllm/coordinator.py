@@ -21,7 +21,9 @@ the decisions that are policy (package docstring):
                       and a page of growth for every running request. vLLM admits against unpinned pages
                       as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
-                      transitions, so requests worth moving free room for the waiting one.
+                      transitions, so requests worth moving free room for the waiting one, and the rest of
+                      the queue waits behind it (vLLM's first come, first served). A request too short ever
+                      to take a hot region is counted without one.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
                       the released pages it found never selected move to the front of vLLM's free queue,
                       its hottest to the back, so the pool reuses never-selected pages first and the hottest
