@@ -10,6 +10,12 @@ same KV memory. One JSON line per workload:
   Reported for these two: steps to serve everything, mean running, preemptions.
 
     .venv/bin/python benches/vllm_capacity.py [--workloads pressure_8K ...] [--modes plain native hisparse]
+        [--device-buffer-size ROWS] [--check-bytes]
+
+``--device-buffer-size``: vLLM's hot-region rows per request (``--attention-config '{"hisparse_config":
+{"device_buffer_size": ROWS}}'``; vLLM's default is two top-Ks, 4,096 rows). ``--check-bytes``: the fake forward
+writes and reads every row (layers 0 and 60), checking each read, and the line reports the rows read and how
+many came from the host pool (slower).
 """
 
 from __future__ import annotations
@@ -43,23 +49,31 @@ WORKLOADS = {
 MODES = ("plain", "native", "hisparse")
 
 
-def measure(workload: dict, mode: str) -> dict:
-    setup = H.build(mode=mode, async_scheduling=True, **workload["setup"])
-    stats = H.run(setup, H.FakeWorker(setup, layers=[0], reads=False, data=False), workload["jobs"])
+def measure(workload: dict, mode: str, device_buffer_size: int | None = None, check_bytes: bool = False) -> dict:
+    setup = H.build(mode=mode, async_scheduling=True, device_buffer_size=device_buffer_size, **workload["setup"])
+    worker = (H.FakeWorker(setup, layers=[0, 60], completion_lag=1) if check_bytes
+              else H.FakeWorker(setup, layers=[0], reads=False, data=False))
+    stats = H.run(setup, worker, workload["jobs"])
     mean = sum(stats.running_samples) / len(stats.running_samples)
     under_pressure = sum(stats.pressure_samples) / max(1, len(stats.pressure_samples))
-    return {"steps": stats.steps, "mean_running": round(mean, 2), "mean_running_while_waiting":
-            round(under_pressure, 2), "max_running": stats.max_running, "preemptions": stats.preemptions}
+    out = {"steps": stats.steps, "mean_running": round(mean, 2), "mean_running_while_waiting":
+           round(under_pressure, 2), "max_running": stats.max_running, "preemptions": stats.preemptions}
+    if check_bytes:
+        out |= {"rows_checked": stats.rows_checked, "rows_from_host": stats.rows_from_host}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--device-buffer-size", type=int, default=None)
+    ap.add_argument("--check-bytes", action="store_true")
     args = ap.parse_args()
     for name in args.workloads:
         workload = WORKLOADS[name]()
-        print(json.dumps({"workload": name, **{mode: measure(workload, mode) for mode in args.modes}}), flush=True)
+        results = {mode: measure(workload, mode, args.device_buffer_size, args.check_bytes) for mode in args.modes}
+        print(json.dumps({"workload": name, "device_buffer_size": args.device_buffer_size, **results}), flush=True)
 
 
 if __name__ == "__main__":

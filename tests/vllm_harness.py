@@ -113,7 +113,7 @@ class Setup:
 def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs: int = 32,
           max_num_batched_tokens: int = 8192, async_scheduling: bool = False, prefix_caching: bool = True,
           host_pool_gib: float = 8.0, num_spec_tokens: int = 0, extra: dict | None = None,
-          num_gpu_blocks: int | None = None) -> Setup:
+          num_gpu_blocks: int | None = None, device_buffer_size: int | None = None) -> Setup:
     """vLLM's engine-core setup (``v1/engine/core.py:_initialize_kv_caches`` and ``EngineCore.__init__``)
     for ``mode``: ``"plain"`` (vLLM without HiSparse), ``"native"`` (vLLM's HiSparseConnector) or
     ``"hisparse"`` (ours, by ``kv_connector_module_path``). ``gpu_gib`` of KV memory in every mode."""
@@ -161,7 +161,8 @@ def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs
         if mode == "hisparse":
             kv["kv_connector_module_path"] = "hisparse.integrations.vllm"
         vc.kv_transfer_config = KVTransferConfig(**kv)
-        vc.attention_config.hisparse_config = HiSparseConfig()
+        # vLLM's --attention-config '{"hisparse_config": {"device_buffer_size": N}}': hot-region rows per request.
+        vc.attention_config.hisparse_config = HiSparseConfig(device_buffer_size=device_buffer_size)
     if num_gpu_blocks is not None:
         vc.cache_config.num_gpu_blocks_override = num_gpu_blocks
     specs = kv_specs()
