@@ -12,7 +12,8 @@ HiSparse path on)::
 ``kv_connector_extra_config``: ``host_pool_gib`` (vLLM's, required), ``policy`` (``coldest``, the default,
 or ``fifo``: exactly vLLM's decisions), and for ``coldest`` the heat counting's ``heat_interval`` (steps
 between summaries, 32), ``heat_coldest`` / ``heat_hottest`` (pages ranked per request, 128 / 32) and
-``heat_layer_stride`` (count in every n-th index group, 8). The package also registers a
+``heat_layer_stride`` (count in every n-th index group, 8). Any other key is refused (a misspelt one would
+otherwise leave its option at the default). The package also registers a
 ``vllm.general_plugins`` entry point (:func:`register`), loaded in every vLLM process, which warns up front
 on an unsupported vLLM.
 
@@ -36,7 +37,9 @@ stays the one owner of every block id, and we replace only the *policy*: the sch
   6 x 64-block hot region);
 - when a waiting request is admitted (through ``get_num_new_matched_tokens``, whose None makes vLLM wait):
   only while the pool keeps room for the running requests' hot regions and growth after the new request's
-  peak. vLLM counts released pages as free, admits against them, and then preempts running requests.
+  peak (no region is counted for a request too short ever to take one). vLLM counts released pages as free,
+  admits against them, and then preempts running requests. Once one request waits, the rest of the queue
+  waits behind it, so vLLM's first-come, first-served order holds.
 
 Everything else is vLLM's and keeps working on its defaults: async scheduling, prefix caching on GPU and
 host-only prefixes, preemption, MTP lookahead, TP > 1 (the metadata is vLLM's dataclasses, plus a heat
