@@ -505,8 +505,8 @@ SIZED = {
 
 def table_smem(entries: int, case: dict) -> int:
     """The shared memory (bytes per CTA) that leaves resolve's table exactly ``entries`` entries for ``case``."""
-    R, H = case["topk"].shape[0], case["hot_pos"].shape[2]
-    return launch.STATIC_SHARED["hisparse_resolve"] + 8 * entries + 4 * R + 4 * math.ceil(H / 32)
+    fixed = launch.resolve_fixed_bytes(hot_rows=case["hot_pos"].shape[2], batch_rows=case["topk"].shape[0])
+    return launch.STATIC_SHARED["hisparse_resolve"] + 8 * entries + fixed
 
 
 def _resolve_kind(params: dict, rows_per_request: int = 1, max_smem: int = SMEM_SM90, corruptions: int = 0):

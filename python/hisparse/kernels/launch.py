@@ -80,6 +80,11 @@ def smem_limit(arch: str) -> int:
     return SHARED_MEMORY_PER_BLOCK.get(arch, min(SHARED_MEMORY_PER_BLOCK.values()))
 
 
+def resolve_fixed_bytes(*, hot_rows: int, batch_rows: int) -> int:
+    """resolve's dynamic shared memory beside its table: a request's batch rows, one bit per hot slot."""
+    return 4 * batch_rows + 4 * math.ceil(hot_rows / 32)
+
+
 def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_request: int = 1,
                    limit: int) -> ResolveShared:
     """resolve's shared memory: a hash table sized by the selection (``top_k x rows_per_request``, the rows
@@ -90,7 +95,7 @@ def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_reque
     """
     _positive(top_k=top_k, hot_rows=hot_rows, batch_rows=batch_rows, rows_per_request=rows_per_request)
     static = STATIC_SHARED["hisparse_resolve"]
-    fixed = 4 * batch_rows + 4 * math.ceil(hot_rows / 32)
+    fixed = resolve_fixed_bytes(hot_rows=hot_rows, batch_rows=batch_rows)
     selection = top_k * rows_per_request
     needed = max(MIN_TABLE, math.ceil(4 * selection / 3))  # the whole selection on the hash path
     room = (limit - static - fixed) // 8

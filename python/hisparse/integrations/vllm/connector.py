@@ -34,7 +34,7 @@ from vllm.v1.hisparse.runtime import HiSparseRuntime  # noqa: E402
 from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
-from .coordinator import POLICIES, build_coordinator  # noqa: E402
+from .coordinator import POLICIES, build_coordinator, longest_tokens  # noqa: E402
 from .heat import HeatReport, SelectionHeat, check_heat_options  # noqa: E402
 
 #: ``kv_connector_extra_config`` keys of the heat counting (``SelectionHeat``'s arguments) and defaults.
@@ -152,9 +152,9 @@ class HiSparseConnector(VllmHiSparseConnector):
             # vLLM ignores the answer for a request that reads no prefix cache (prompt_logprobs,
             # scheduler.py:1143): it starts now whatever we say, and the refusal still holds the queue behind it.
             can_wait = not request.skip_reading_prefix_cache
-            longest = request.num_prompt_tokens + request.max_tokens if request.max_tokens is not None else None
             if not self.coordinator.admit(request.request_id, request.num_tokens, num_computed_tokens,
-                                          self._admission_tokens, can_wait=can_wait, longest=longest) and can_wait:
+                                          self._admission_tokens, can_wait=can_wait,
+                                          longest=longest_tokens(request)) and can_wait:
                 return None, False
         return 0, False
 

@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 
 POLICIES = ("coldest", "fifo")
 
+
+def longest_tokens(request) -> int | None:
+    """The most tokens a vLLM request can reach (prompt + max_tokens), or None when that is not bounded."""
+    return None if request.max_tokens is None else request.num_prompt_tokens + request.max_tokens
+
 logger = logging.getLogger(__name__)
 
 
@@ -140,9 +145,8 @@ class HisparseCoordinator(HiSparseCoordinator):
 
     def _may_take_hot_region(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
-        if request is None or request.max_tokens is None:
-            return True
-        return not self._never_takes_hot_region(request.num_prompt_tokens + request.max_tokens)
+        longest = longest_tokens(request) if request is not None else None
+        return longest is None or not self._never_takes_hot_region(longest)
 
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
                       num_running: int, short: bool) -> bool:
