@@ -260,7 +260,7 @@ VALID = dict(
     cleared_rows=[5],
     scheduled=[(7, 0, 0, 9), (2**64 - 1, 1, 95, 1)],
     seq_lens=[(0, 9, 7), (1, 96, 2**64 - 1)],
-    table_updates=[(0, 0, 1, -1, False), (0, 1, 2, 7, True), (1, 23, 39, 39, False)],
+    table_updates=[(0, 0, 1, -1, False), (0, 1, 2, 7, True), (1, 23, 39, 39, False), (1, 2, 8, 9, True)],
     hot_updates=[(0, [3, 4, 5, 6]), (1, [])],
     restores=[(8, 9)],
     materialize=[(1, 10, 11)],
@@ -307,6 +307,33 @@ def test_a_plan_with_a_bad_hot_region_or_a_destination_twice_changes_nothing(bad
     before = snapshot(dp)
     with pytest.raises(InvalidArgumentError, match=message):
         dp.apply(make_plan(**{k: v + bad.get(k, []) for k, v in VALID.items()}))
+    assert_unchanged(dp, before)
+
+
+# Plans whose scheduled positions or restores the plan does not own (SPEC.md, "apply"): each would make a
+# slot mapping write another row's positions, or a restore overwrite a block no table entry names.
+NOT_OWNED = {
+    "a start wrapped below 0": (dict(scheduled=[(3, 2, 2**32 - 2, 10)], seq_lens=[(2, 8, 3)]), "row's length"),
+    "2**32 - 1 tokens": (dict(scheduled=[(3, 2, 0, 2**32 - 1)], seq_lens=[(2, 96, 3)]), "row's length"),
+    "a start one page past the table": (dict(scheduled=[(3, 2, 96, 4)], seq_lens=[(2, 96, 3)]), "row's length"),
+    "no length for the row": (dict(scheduled=[(3, 2, 0, 4)]), "row's length"),
+    "another request's row": (dict(scheduled=[(3, 2, 0, 4)], seq_lens=[(2, 4, 99)]), "row's length"),
+    "a restore no table names": (dict(restores=[(13, 1)]), "none of its table entries names"),
+}
+
+
+@pytest.mark.parametrize("path", ["apply", "_apply_torch"])
+@pytest.mark.parametrize("what", sorted(NOT_OWNED))
+def test_both_worker_paths_refuse_positions_the_plan_does_not_own(what, path):
+    """The CPU path (Rust) and the device path (torch, here on CPU tensors) share one check."""
+    dp = filled()
+    before = snapshot(dp)
+    bad, message = NOT_OWNED[what]
+    plan = make_plan(**{k: v + bad.get(k, []) for k, v in VALID.items()})
+    with pytest.raises(InvalidArgumentError, match=message):
+        getattr(dp, path)(plan)
+    with pytest.raises(InvalidArgumentError, match="applied last"):
+        dp.slot_mapping(plan)
     assert_unchanged(dp, before)
 
 

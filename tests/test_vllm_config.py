@@ -46,8 +46,28 @@ def test_bad_values_are_clear_config_errors(extra, match):
         H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=4, extra=extra)
 
 
-@pytest.mark.parametrize("host_pool_gib,match", [("lots", "could not convert"), (0, "must be positive"),
-                                                 (-1, "must be positive")])
-def test_bad_host_pool_is_vllms_clear_error(host_pool_gib, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("host_pool_gib", ["lots", 0, -1, None, True, float("nan"), float("inf"), -float("inf"),
+                                           1e30, 2**20 + 1, [4]])
+def test_a_bad_host_pool_is_refused_before_vllm_sizes_anything(host_pool_gib):
+    """NaN and infinities used to fail deep in vLLM's planner, ``1e30`` to allocate until memory ran out,
+    ``true`` to be read as 1 GiB."""
+    with pytest.raises(ConfigError, match="host_pool_gib must be a number of GiB"):
         H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=host_pool_gib)
+
+
+def test_a_host_pool_beyond_this_hosts_memory_is_refused_where_it_would_be_held(monkeypatch):
+    """vLLM's rule (95% of the available memory) where the pool is held: the workers pin all of it, the
+    scheduler keeps a record per block; a scheduler plans a pool far larger than its own host fine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hisparse.integrations.vllm import connector
+
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=64)
+    cls, vc, kc = type(setup.scheduler.connector), setup.vllm_config, setup.kv_cache_config
+    monkeypatch.setattr(connector, "_available_host_bytes", lambda: 32 * 2**30)
+    with pytest.raises(ConfigError, match=r"host_pool_gib = 64: the pinned pool needs 64.0 GiB .* 32.0 GiB"):
+        cls(vc, KVConnectorRole.WORKER, kc)
+    blocks = kc.hisparse_host_num_blocks
+    monkeypatch.setattr(connector, "_available_host_bytes", lambda: blocks * 200)
+    with pytest.raises(ConfigError, match=f"the scheduler's record of its {blocks:,} blocks"):
+        cls(vc, KVConnectorRole.SCHEDULER, kc)

@@ -121,6 +121,10 @@ class ResidencyManager:
         """Brings a preempted request back from its kept host pages."""
     def plan_step(self, scheduled: Sequence[tuple[Int, Int]]) -> StepPlan:
         """Plans one step: (request_id, new_tokens) pairs. A short plan (``ok`` False) changed nothing."""
+    def resync(self, redo_last_step: bool) -> StepPlan:
+        """The plan that brings a rebuilt worker to the current state (every row set again, copies in flight
+        failed and started again under new ids); ``redo_last_step``: the last plan's restores and scheduled
+        tokens again (its results never came back)."""
     def complete(self, transfer_ids: Sequence[Int], ok: bool | None = True) -> None:
         """Ends copies to the host (``ok`` False: failed, copied again later)."""
     def apply_results(

@@ -502,7 +502,7 @@ class DataPath:
         self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
         self._cpu = dev.type == "cpu"
         self._mover: tuple | None = None  # the side-stream page mover, built on the first CUDA apply
-        self._slots: tuple = (None, None)  # (plan, its slot mapping) of the last apply on CPU
+        self._slots: tuple = (None, None)  # (plan, its slot mapping on CPU) of the last apply
         self._checked_apply: tuple | None = None
 
     # ------------------------------------------------------------------ applying plans
@@ -560,6 +560,7 @@ class DataPath:
         """The device path: the same result as ``_ref_apply`` with torch ops, checked on the host first."""
         lay, st, dev = self.layout, self.state, self.device
         _core._check_plan(plan, self._worker_geometry(), lay.max_running, lay.num_gpu_blocks, lay.num_host_blocks)
+        self._slots = (plan, None)
         s = _PlanSections(plan.to_bytes())
         words, longs = _to_device(s.words, dev), _to_device(s.longs, dev)
 
@@ -620,13 +621,17 @@ class DataPath:
         if not isinstance(plan, _core.StepPlan):
             raise InvalidArgumentError(f"slot_mapping() takes a StepPlan, not {type(plan).__name__}")
         lay = self.layout
-        if self._cpu:
-            applied, raw = self._slots
-            if applied is not plan or raw is None:  # computed by the apply of this plan, or ask for the reason
-                table = _buf(self.state["block_table"], "block_table", torch.int32)
-                raw = _core._ref_slot_mapping(plan, table, lay.max_pages, lay.block_size)
-            return torch.frombuffer(raw, dtype=torch.int64) if raw else torch.zeros(0, dtype=torch.int64)
-        return self._slot_mapping_torch(plan)
+        applied, raw = self._slots
+        # Only a plan that ``apply`` checked whole (its scheduled positions within the lengths it gives its
+        # rows) may map slots: the device path reads the plan as it is.
+        if applied is not plan and applied != plan:
+            raise InvalidArgumentError("slot_mapping() takes the plan applied last")
+        if not self._cpu:
+            return self._slot_mapping_torch(plan)
+        if raw is None:  # the apply found a token without a resident block: ask for the reason
+            table = _buf(self.state["block_table"], "block_table", torch.int32)
+            raw = _core._ref_slot_mapping(plan, table, lay.max_pages, lay.block_size)
+        return torch.frombuffer(raw, dtype=torch.int64) if raw else torch.zeros(0, dtype=torch.int64)
 
     def _slot_mapping_torch(self, plan: _core.StepPlan) -> torch.Tensor:
         """The device path of ``slot_mapping`` (no check that every page is resident: it would wait)."""

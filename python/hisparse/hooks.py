@@ -44,7 +44,9 @@ The order is enforced; a call out of order raises :class:`CallOrderError` and ch
   plan being written before the next one is made). A short plan (``step.ok`` False) needs no results.
 * worker: ``apply(step N)`` -> (``write`` | ``token_rows`` | ``resolve`` | ``gather``)* -> ``end_step()`` ->
   ``apply(step N + 1)``: resolving outside a step, applying a plan twice, skipping one, applying a short
-  plan, or starting the next step before ``end_step`` are refused.
+  plan, or starting the next step before ``end_step`` are refused. A worker handed a step past its next one
+  (it was rebuilt, or missed steps) raises :class:`StepGapError`: the scheduler's ``resync_worker()`` then
+  gives the step that brings it to the current state, which every worker applies.
 
 With tensor parallelism every worker applies the same steps; any one worker's results (they are the same
 copies and the same selections) go to ``apply_results``.
@@ -53,6 +55,7 @@ copies and the same selections) go to ``apply_results``.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -68,6 +71,7 @@ __all__ = [
     "CallOrderError",
     "ScheduledRequest",
     "SchedulerHooks",
+    "StepGapError",
     "StepResults",
     "WorkerHooks",
     "WorkerStep",
@@ -80,6 +84,11 @@ _NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 class CallOrderError(InvalidArgumentError):
     """A hook was called out of the documented per-step order; nothing changed."""
+
+
+class StepGapError(CallOrderError):
+    """A worker was handed a step past the next one: it was rebuilt (a new process starts at step 0) or
+    missed steps. Its state cannot be trusted; apply the step of :meth:`SchedulerHooks.resync_worker`."""
 
 
 @dataclass(frozen=True)
@@ -103,42 +112,58 @@ class WorkerStep:
     the plan schedules (``request_ids[i]`` is ``plan.scheduled[i]``).
 
     ``step`` counts good plans from 1; a short plan (``ok`` False) has step 0 and must not be applied.
+    ``resync``: the plan of :meth:`SchedulerHooks.resync_worker`, which a worker applies whatever it applied
+    before. ``plan`` may also be given as its bytes (``StepPlan.to_bytes``); it is decoded and checked.
     """
 
     step: int
     plan: StepPlan
     request_ids: tuple[str, ...] = ()
+    resync: bool = False
 
     def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
         if type(self.step) is not int or self.step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, not {self.step!r}")
-        if not isinstance(self.plan, StepPlan):
-            raise InvalidArgumentError(f"plan must be a StepPlan, not {type(self.plan).__name__}")
+        if type(self.resync) is not bool:
+            raise InvalidArgumentError(f"resync must be True or False, not {self.resync!r}")
+        plan = self.plan
+        if isinstance(plan, bytes | bytearray):
+            object.__setattr__(self, "plan", plan := StepPlan.from_bytes(plan))
+        if not isinstance(plan, StepPlan):
+            raise InvalidArgumentError(f"plan must be a StepPlan (or its bytes), not {type(plan).__name__}")
         ids = self.request_ids
-        if not isinstance(ids, tuple):
-            ids = tuple(ids) if isinstance(ids, list) else ids
-            object.__setattr__(self, "request_ids", ids)
-        if not isinstance(ids, tuple) or len(ids) != self.plan.num_scheduled or not all(
-                type(rid) is str for rid in ids):
+        if isinstance(ids, list):
+            object.__setattr__(self, "request_ids", ids := tuple(ids))
+        if not isinstance(ids, tuple) or len(ids) != plan.num_scheduled or not all(type(rid) is str for rid in ids):
             raise InvalidArgumentError(
-                f"request_ids must name the plan's {self.plan.num_scheduled} scheduled requests with strings"
+                f"request_ids must name the plan's {plan.num_scheduled} scheduled requests with strings"
             )
 
     @classmethod
-    def _of_plan(cls, step: int, plan: StepPlan, request_ids: tuple[str, ...]) -> WorkerStep:
+    def _of_plan(cls, step: int, plan: StepPlan, request_ids: tuple[str, ...], resync: bool = False) -> WorkerStep:
         """What ``plan_step`` builds: its values are right by construction, so the per-step cost of checking
         them (a pass over every request id) is skipped."""
         obj = object.__new__(cls)
-        obj.__setstate__({"step": step, "plan": plan, "request_ids": request_ids})
+        for name, value in (("step", step), ("plan", plan), ("request_ids", request_ids), ("resync", resync)):
+            object.__setattr__(obj, name, value)
         return obj
 
     def __getstate__(self) -> dict:
         """What crosses processes: the fields, not the views built from them on demand."""
-        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids}
+        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids, "resync": self.resync}
 
-    def __setstate__(self, state: dict) -> None:
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
+    def __setstate__(self, state: object) -> None:
+        """An unpickled step is checked as a constructed one: it may come from anywhere."""
+        fields = ("step", "plan", "request_ids", "resync")
+        if not isinstance(state, dict) or not set(state) <= set(fields) or not {"step", "plan"} <= set(state):
+            raise InvalidArgumentError(f"a pickled WorkerStep holds {list(fields)}, not {state!r:.200}")
+        defaults = {"request_ids": (), "resync": False}
+        for name in fields:
+            object.__setattr__(self, name, state.get(name, defaults.get(name)))
+        self._check()
 
     @property
     def ok(self) -> bool:
@@ -185,6 +210,21 @@ class StepResults:
     h2d_bytes: int = 0
 
 
+#: More requests than one step ever schedules (the core's own bound on a sequence argument).
+_MAX_SEQUENCE = 1 << 24
+
+
+def _bounded_list(values: Any, name: str) -> list:
+    """The elements of an iterable, refused past ``_MAX_SEQUENCE`` while reading (never collected whole)."""
+    try:
+        items = list(itertools.islice(values, _MAX_SEQUENCE + 1))
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a sequence, not {type(values).__name__}") from None
+    if len(items) > _MAX_SEQUENCE:
+        raise InvalidArgumentError(f"{name} has more than {_MAX_SEQUENCE} elements")
+    return items
+
+
 def _check_request_id(request_id: Any) -> str:
     if not isinstance(request_id, str):
         raise InvalidArgumentError(f"request ids are strings, not {type(request_id).__name__} ({request_id!r})")
@@ -210,7 +250,7 @@ class SchedulerHooks:
         self._steps = 0
         self._outstanding: int | None = None  # step whose results have not come back yet
         self._metrics = dict(hits=0, misses=0, h2d_bytes=0, admissions=0, prefix_hit_tokens=0, preemptions=0,
-                             resumptions=0, finished=0, short_plans=0, transitions=0)
+                             resumptions=0, finished=0, short_plans=0, transitions=0, resyncs=0)
 
     # ------------------------------------------------------------------ ids
 
@@ -302,7 +342,7 @@ class SchedulerHooks:
                 f"to apply_results()"
             )
         # One comprehension per step (it runs for every request every step); the core checks the counts.
-        pairs = scheduled if isinstance(scheduled, list) else list(scheduled)
+        pairs = scheduled if isinstance(scheduled, list) else _bounded_list(scheduled, "scheduled")
         ids = self._ids
         try:
             core = [(ids[rid], n) for rid, n in pairs]
@@ -320,6 +360,27 @@ class SchedulerHooks:
         self._steps += 1
         self._outstanding = self._steps
         return WorkerStep._of_plan(self._steps, plan, tuple([rid for rid, _ in pairs]))
+
+    def resync_worker(self) -> WorkerStep:
+        """The step that brings a rebuilt worker (a new process, a crashed rank, one whose ``apply`` raised
+        :class:`StepGapError`) to the current state; with several workers, every one applies it.
+
+        Its plan clears every row and sets each running request's length, table and (empty) hot region
+        again; copies to the host still in flight count as failed and start again under new ids (reports of
+        the old ids are refused from now on). Nothing is lost: blocks, pages and host copies stay as they are.
+        If the worker's results of the last step never came back, this step replaces that step (same number)
+        with its restores and scheduled requests again: run their forward again. Otherwise it is a new step
+        that schedules nothing. Either way the worker ends it and its results go to :meth:`apply_results`.
+        """
+        redo = self._outstanding is not None
+        plan = self.manager.resync(redo)
+        if not redo:
+            self._steps += 1
+            self._outstanding = self._steps
+        self._metrics["resyncs"] += 1
+        names = self._names
+        return WorkerStep._of_plan(self._outstanding, plan, tuple([names[s[0]] for s in plan.scheduled]),
+                                   resync=True)
 
     def apply_results(self, results: StepResults) -> None:
         """Takes the worker's feedback of the outstanding step in one atomic core call: finished and failed
@@ -476,6 +537,11 @@ class WorkerHooks:
         return self.dp.device
 
     @property
+    def last_step(self) -> int:
+        """The last step applied (0: none yet, e.g. a worker just rebuilt)."""
+        return self._last
+
+    @property
     def in_step(self) -> int | None:
         """The step in its forward (applied, not ended), or None."""
         return self._step.step if self._step is not None else None
@@ -500,11 +566,17 @@ class WorkerHooks:
                 f"apply() of a short plan ({step.missing_blocks} blocks missing): it changed nothing and must not "
                 f"be applied; plan again"
             )
-        if step.step <= self._last:
+        # A resync step is applied whatever this worker applied before.
+        if not step.resync and step.step <= self._last:
             raise CallOrderError(f"the plan of step {step.step} was applied already (last applied: {self._last})")
-        if step.step != self._last + 1:
-            raise CallOrderError(f"apply() of step {step.step} skips step {self._last + 1}: apply plans in order")
+        if not step.resync and step.step != self._last + 1:
+            raise StepGapError(
+                f"apply() of step {step.step} skips step {self._last + 1}: this worker was rebuilt or missed steps; "
+                f"apply the step of SchedulerHooks.resync_worker() instead"
+            )
         copied = self.dp.apply(step.plan)  # on CUDA, the event of the page copies to the host
+        if step.resync:  # the scheduler counts every copy in flight here as failed, and starts it again
+            self._in_flight, self._summaries = [], []
         started = step.plan.transfer_ids
         if started:
             self._in_flight.append(_InFlight(tuple(started), copied))

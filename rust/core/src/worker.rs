@@ -4,7 +4,7 @@
 //! Every entry is checked against the tensors' sizes before anything is written, so a plan from a
 //! manager configured larger than the worker's layout, or a corrupted one, is refused whole.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::error::{invalid, Result};
 use crate::plan::StepPlan;
@@ -142,9 +142,26 @@ pub fn check_plan(
             within("hot GPU block", b as i64, 1, gpu_blocks)?;
         }
     }
+    // A scheduled request writes positions start .. start + tokens of its row: the plan must also give
+    // that row's length after the step as exactly start + tokens, for the same request. Lengths are
+    // bounded by the table above, so neither path can write a position (or a row) the plan does not own,
+    // and no size derived from the counts exceeds what the layout implies.
+    let lengths: HashMap<u32, (u32, u64)> =
+        plan.seq_lens.iter().map(|l| (l.row, (l.len, l.request))).collect();
     for sch in &plan.scheduled {
         within("scheduled row", sch.row as i64, 0, s)?;
+        let end = sch.start as u64 + sch.tokens as u64;
+        if lengths.get(&sch.row).map(|&(len, request)| (len as u64, request)) != Some((end, sch.request)) {
+            return invalid(format!(
+                "the plan schedules request {} to write positions {}..{end} of row {}, but does not give that \
+                 row's length as {end} for that request",
+                sch.request, sch.start, sch.row
+            ));
+        }
     }
+    // A restore lands in a block the plan's own table gives the page it restores.
+    let tables: HashSet<(u32, i32)> =
+        plan.table_updates.iter().map(|u| (u.gpu_block, u.host_block)).collect();
     let mut restored = HashSet::with_capacity(plan.restores.len());
     for c in &plan.restores {
         within("restored GPU block", c.gpu_block as i64, 1, gpu_blocks)?;
@@ -152,6 +169,12 @@ pub fn check_plan(
         if !restored.insert(c.gpu_block) {
             return invalid(format!("the plan restores two pages into GPU block {}", c.gpu_block));
         }
+    }
+    if let Some(c) = plan.restores.iter().find(|c| !tables.contains(&(c.gpu_block, c.host_block as i32))) {
+        return invalid(format!(
+            "the plan restores host block {} into GPU block {}, which none of its table entries names",
+            c.host_block, c.gpu_block
+        ));
     }
     let mut written = HashSet::with_capacity(plan.materialize.len());
     for c in &plan.materialize {
@@ -229,8 +252,12 @@ pub fn slot_mapping(
     pages: usize,
     block_size: usize,
 ) -> Result<Vec<i64>> {
-    let total: usize = plan.scheduled.iter().map(|s| s.tokens as usize).sum();
-    let mut out = Vec::with_capacity(total);
+    // A plan writes each slot of the table at most once: more tokens than that is a plan out of step.
+    let total: u64 = plan.scheduled.iter().map(|s| s.tokens as u64).sum();
+    if total > (block_table.len() * block_size) as u64 {
+        return invalid(format!("the plan writes {total} tokens, more than the block table's rows"));
+    }
+    let mut out = Vec::with_capacity(total as usize);
     for s in &plan.scheduled {
         let (row, bs) = (s.row as usize, block_size as u64);
         for pos in s.start as u64..s.start as u64 + s.tokens as u64 {
@@ -409,6 +436,18 @@ mod tests {
                 ..plan()
             },
             StepPlan { missing_blocks: 1, ..StepPlan::default() },
+            // Scheduled positions the plan's lengths do not own: wrapped, huge, another request's, none.
+            StepPlan {
+                scheduled: vec![Scheduled { request: u64::MAX - 1, row: 1, start: u32::MAX - 1, tokens: 7 }],
+                ..plan()
+            },
+            StepPlan {
+                scheduled: vec![Scheduled { request: u64::MAX - 1, row: 1, start: 0, tokens: u32::MAX }],
+                ..plan()
+            },
+            StepPlan { scheduled: vec![Scheduled { request: 7, row: 1, start: 0, tokens: 5 }], ..plan() },
+            StepPlan { seq_lens: vec![], ..plan() },
+            StepPlan { restores: vec![Restore { gpu_block: 5, host_block: 2 }], ..plan() },
         ];
         let mut t = Tensors::new();
         let before = (t.i32s.clone(), t.releasable.clone(), t.gpu.clone(), t.host.clone());

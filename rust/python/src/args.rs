@@ -84,17 +84,13 @@ pub fn opt_int<T: Int>(v: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Opt
     }
 }
 
-/// A finite float (an int is fine too).
-pub fn float(v: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+/// A float of any value, NaN and infinities included, for a setting whose range the core's configuration
+/// checks (an int is fine too).
+pub fn number(v: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
     if v.is_instance_of::<PyBool>() {
         return Err(invalid(format!("{name} must be a number, not bool")));
     }
-    let f: f64 =
-        v.extract().map_err(|_| invalid(format!("{name} must be a number, not {}", type_name(v))))?;
-    if !f.is_finite() {
-        return Err(invalid(format!("{name} must be finite, not {f}")));
-    }
-    Ok(f)
+    v.extract().map_err(|_| invalid(format!("{name} must be a number, not {}", type_name(v))))
 }
 
 pub fn boolean(v: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
@@ -151,8 +147,9 @@ pub fn pairs<A: Int, B: Int>(v: &Bound<'_, PyAny>, name: &str, what: (&str, &str
             Ok(t) if t.len() == 2 => (t.get_item(0)?, t.get_item(1)?),
             Ok(_) => return Err(not_a_pair()),
             Err(_) => {
+                // Three at most: enough to tell a pair from anything else, whatever the item's length.
                 let pair: Vec<Bound<'_, PyAny>> =
-                    sequence(&item, &format!("{name}[{i}]"))?.collect::<PyResult<_>>()?;
+                    sequence(&item, &format!("{name}[{i}]"))?.take(3).collect::<PyResult<_>>()?;
                 let [a, b] = <[_; 2]>::try_from(pair).map_err(|_| not_a_pair())?;
                 (a, b)
             }

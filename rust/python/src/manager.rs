@@ -124,7 +124,7 @@ impl ResidencyManager {
             num_host_blocks: args::opt_int(num_host_blocks, "num_host_blocks")?,
             host_pool_gib: host_pool_gib
                 .filter(|v| !v.is_none())
-                .map(|v| args::float(v, "host_pool_gib"))
+                .map(|v| args::number(v, "host_pool_gib")) // its range is the configuration's to check
                 .transpose()?,
             page_bytes: args::opt_int(page_bytes, "page_bytes")?.unwrap_or(d.page_bytes),
             max_running: args::opt_int(max_running, "max_running")?.unwrap_or(d.max_running),
@@ -178,6 +178,14 @@ impl ResidencyManager {
     fn plan_step(&self, py: Python<'_>, scheduled: &Bound<'_, PyAny>) -> PyResult<StepPlan> {
         let scheduled = args::pairs::<u64, u32>(scheduled, "scheduled", ("request_id", "new_tokens"))?;
         self.with(py, |m| m.plan_step(&scheduled)).map(StepPlan::from)
+    }
+
+    /// The plan that brings a rebuilt worker (no state of its own) to the current state: every row cleared
+    /// and set again, copies in flight failed and started again under new ids; with `redo_last_step` (the
+    /// last plan's results never came back) that plan's restores and scheduled tokens again.
+    fn resync(&self, py: Python<'_>, redo_last_step: &Bound<'_, PyAny>) -> PyResult<StepPlan> {
+        let redo = args::boolean(redo_last_step, "redo_last_step")?;
+        self.with(py, |m| m.resync(redo)).map(StepPlan::from)
     }
 
     /// Ends copies to the host (`ok` False: they failed, the pages are copied again later). Unknown or

@@ -15,6 +15,7 @@ resolve and then counts the same top-K, so the count is captured with it. The su
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from . import check_vllm_version
 # Before vLLM's modules: on another version they may fail to import with a less helpful message.
 check_vllm_version()
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (  # noqa: E402
     HiSparseConnector as VllmHiSparseConnector,
 )
@@ -41,6 +43,14 @@ from .heat import HeatReport, SelectionHeat, check_heat_options  # noqa: E402
 HEAT_OPTIONS = {"heat_interval": 32, "heat_coldest": 128, "heat_hottest": 32, "heat_layer_stride": 8}
 #: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest.
 EXTRA_CONFIG_KEYS = ("host_pool_gib", "policy", *HEAT_OPTIONS)
+#: The share of the host's available memory a pool may take: vLLM's own rule where it pins the pool
+#: (``check_hisparse_host_memory``, ``v1/hisparse/runtime.py``).
+HOST_MEMORY_SHARE = 0.95
+#: What the scheduler holds per host block: vLLM's ``KVCacheBlock`` in the host ``BlockPool`` measured 136
+#: bytes (tracemalloc, 200,000 blocks), rounded up for the coordinator's per-block state.
+SCHEDULER_BYTES_PER_HOST_BLOCK = 256
+#: 1 PiB: more memory than any one host has (vLLM's planner takes minutes over sizes like 1e30 GiB).
+MAX_HOST_POOL_GIB = 2**20
 
 
 @dataclass
@@ -115,6 +125,48 @@ def heat_options(vllm_config: Any) -> dict[str, int]:
     return options
 
 
+def host_pool_option(vllm_config: Any) -> float:
+    """``host_pool_gib``, checked before vLLM sizes anything from it (a NaN or an infinity would fail deep in
+    its planner, ``1e30`` make the scheduler allocate until it runs out of memory, ``true`` read as 1 GiB)."""
+    gib = _extra(vllm_config).get("host_pool_gib")
+    if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or not \
+            0 < gib <= MAX_HOST_POOL_GIB:
+        raise ConfigError(f"kv_connector_extra_config.host_pool_gib must be a number of GiB above 0 and at most "
+                          f"{MAX_HOST_POOL_GIB:,} (1 PiB), not {gib!r}")
+    return float(gib)
+
+
+def check_options(vllm_config: Any) -> None:
+    """Every ``kv_connector_extra_config`` option, each refused with a ``ConfigError`` naming its key."""
+    check_extra_keys(vllm_config)
+    policy_option(vllm_config)
+    heat_options(vllm_config)
+    host_pool_option(vllm_config)
+
+
+def _available_host_bytes() -> int:
+    import psutil  # vLLM's dependency
+
+    return psutil.virtual_memory().available
+
+
+def check_host_memory(vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+    """What this process would hold of the host pool fits in this host's memory, as vLLM requires: the worker
+    pins the whole pool; the scheduler keeps a record of each of its blocks (a scheduler may plan for a pool
+    far larger than its own host, which holds only the workers' pools)."""
+    gib = host_pool_option(vllm_config)
+    if role == KVConnectorRole.WORKER:
+        what, needed = "the pinned pool", int(gib * 2**30)
+    else:
+        blocks = getattr(kv_cache_config, "hisparse_host_num_blocks", None) or 0
+        what, needed = f"the scheduler's record of its {blocks:,} blocks", blocks * SCHEDULER_BYTES_PER_HOST_BLOCK
+    available = _available_host_bytes()
+    if needed > HOST_MEMORY_SHARE * available:
+        raise ConfigError(f"kv_connector_extra_config.host_pool_gib = {gib:g}: {what} needs {needed / 2**30:,.1f} "
+                          f"GiB of host memory, more than {HOST_MEMORY_SHARE:.0%} of the {available / 2**30:,.1f} "
+                          f"GiB available; lower host_pool_gib")
+
+
 def build_selection_heat(residency: Any, block_size: int, vllm_config: Any) -> SelectionHeat:
     """The worker's heat over vLLM's residency table of one resident group (``[state rows, pages]``)."""
     return SelectionHeat(residency, block_size, tail_pages=ACTIVE_TAIL_PAGES, **heat_options(vllm_config))
@@ -124,11 +176,19 @@ class HiSparseConnector(VllmHiSparseConnector):
     """vLLM's ``HiSparseConnector`` whose scheduler side runs :class:`HisparseCoordinator` and whose worker
     side counts selection heat (module docstring)."""
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """vLLM asks this while it resolves the KV cache layout, before it sizes anything from the options:
+        the first moment they can be refused with a clear error."""
+        check_vllm_version()
+        check_options(vllm_config)
+        return super().get_required_kvcache_layout(vllm_config)
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         check_vllm_version()  # also when the class was imported before (e.g. by this submodule's path)
-        check_extra_keys(vllm_config)
+        check_options(vllm_config)  # in every role, not only where an option is used
+        check_host_memory(vllm_config, role, kv_cache_config)
         self.policy = policy_option(vllm_config)
-        heat_options(vllm_config)  # refuse bad options in every role, not only where the worker counts
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.selection_heat: SelectionHeat | None = None
         super().__init__(vllm_config, role, kv_cache_config)

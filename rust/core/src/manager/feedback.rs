@@ -50,7 +50,7 @@ impl ResidencyManager {
         Ok(())
     }
 
-    fn end_copies(&mut self, transfers: &[TransferId], ok: bool) -> Result<()> {
+    pub(super) fn end_copies(&mut self, transfers: &[TransferId], ok: bool) -> Result<()> {
         for t in transfers {
             let Some(owner) = self.copies.remove(t) else {
                 return invariant(format!("transfer {t} ended twice after it was checked"));

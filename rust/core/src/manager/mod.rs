@@ -213,6 +213,8 @@ pub struct ResidencyManager {
     to_materialize: VecDeque<(u64, u32)>,
     /// Requests whose tokens of the last plan are written once the next plan starts.
     last_scheduled: Vec<u64>,
+    /// What the last plan asked of the worker, for `resync` to ask again.
+    last_plan: resync::LastPlan,
     /// GPU blocks reserved for every running request's minimum footprint (tail + hot region).
     gpu_reserved: u64,
     pending: Pending,
@@ -232,6 +234,7 @@ impl ResidencyManager {
             copies: IdMap::default(),
             to_materialize: VecDeque::new(),
             last_scheduled: Vec::new(),
+            last_plan: resync::LastPlan::default(),
             gpu_reserved: 0,
             pending: Pending::default(),
             stats: Stats::default(),
@@ -262,6 +265,7 @@ mod invariants;
 mod leaving;
 mod pages;
 mod pressure;
+mod resync;
 mod step;
 mod views;
 

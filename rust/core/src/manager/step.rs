@@ -41,6 +41,7 @@ impl ResidencyManager {
         self.last_scheduled = prefer;
         self.relieve()?;
         let materialize = self.plan_materialize()?;
+        self.last_plan.scheduled = rows.clone();
         Ok(StepPlan { materialize, scheduled: rows, ..self.drain_pending() })
     }
 
@@ -233,14 +234,16 @@ impl ResidencyManager {
         let mut restores = p.restores;
         restores.sort_unstable();
         restores.dedup();
-        for (id, page, block) in restores {
-            let Some((r, _)) = running(&id) else { continue };
-            if let Some(PageState::Clean { block: b, host }) = r.pages.get(page as usize).map(|p| p.state) {
-                if b == block {
+        restores.retain(|&(id, page, block)| {
+            let state = running(&id).and_then(|(r, _)| r.pages.get(page as usize)).map(|p| p.state);
+            match state {
+                Some(PageState::Clean { block: b, host }) if b == block => {
                     plan.restores.push(Restore { gpu_block: block, host_block: host });
+                    true
                 }
+                _ => false,
             }
-        }
+        });
         self.stats.total_restored += plan.restores.len() as u64;
         let mut pages = p.pages;
         pages.sort_unstable();
@@ -257,6 +260,7 @@ impl ResidencyManager {
                 releasable: r.releasable.contains(&page),
             });
         }
+        self.last_plan.restores = restores;
         let mut seq_lens = p.seq_lens;
         seq_lens.sort_unstable();
         seq_lens.dedup();

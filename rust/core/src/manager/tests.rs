@@ -15,6 +15,8 @@ struct World {
     hot: HashMap<u32, Vec<u32>>,
     in_flight: Vec<TransferId>,
     hashes: HashMap<u64, Vec<u64>>,
+    /// The restores and scheduled tokens of the last plan applied (what a worker dying may not have done).
+    last: (Vec<crate::plan::Restore>, Vec<Scheduled>),
 }
 
 fn tag(world: &World, id: u64, page: u32) -> u64 {
@@ -33,6 +35,7 @@ impl World {
             hot: HashMap::new(),
             in_flight: Vec::new(),
             hashes: HashMap::new(),
+            last: (Vec::new(), Vec::new()),
         }
     }
 
@@ -79,6 +82,7 @@ impl World {
             self.host[c.host_block as usize] = self.gpu[c.gpu_block as usize];
             self.in_flight.push(c.transfer);
         }
+        self.last = (plan.restores.clone(), plan.scheduled.clone());
         let bs = m.config().block_size;
         for (&(id, tokens), &old) in scheduled.iter().zip(old_lens) {
             let row = m.request_info(id).unwrap().row.unwrap();
@@ -86,6 +90,37 @@ impl World {
                 let block = self.tables[&row][page as usize].0;
                 assert_ne!(block, 0, "request {id} writes page {page} through the null block");
                 self.gpu[block as usize] = Some(tag(self, id, page));
+            }
+        }
+    }
+
+    /// The worker dies before the last plan's restores and tokens landed: their blocks hold garbage. Only
+    /// where they are still that page's (a request that left since gave its blocks to others, whose content
+    /// a dying worker did not touch).
+    fn lose_last_step(&mut self, m: &ResidencyManager) {
+        let (restores, scheduled) = std::mem::take(&mut self.last);
+        let current = |g: u32, h: i32| {
+            m.request_ids().into_iter().any(|id| {
+                m.request_info(id).unwrap().row.is_some() && m.block_table(id).unwrap().contains(&(g, h))
+            })
+        };
+        for c in restores {
+            if current(c.gpu_block, c.host_block as i32) {
+                self.gpu[c.gpu_block as usize] = Some(u64::MAX);
+            }
+        }
+        let bs = m.config().block_size;
+        for s in scheduled {
+            let Ok(info) = m.request_info(s.request) else { continue };
+            if info.row != Some(s.row) || info.seq_len != s.start + s.tokens {
+                continue;
+            }
+            let table = m.block_table(s.request).unwrap();
+            for page in s.start / bs..(s.start + s.tokens).div_ceil(bs) {
+                let block = table[page as usize].0;
+                if block != 0 {
+                    self.gpu[block as usize] = Some(u64::MAX);
+                }
             }
         }
     }
@@ -111,13 +146,27 @@ impl World {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit { family: u64, prompt: u32, extra: u32 },
-    Step { mask: u8, tokens: u32 },
-    Complete { pick: u8, ok: bool },
+    Admit {
+        family: u64,
+        prompt: u32,
+        extra: u32,
+    },
+    Step {
+        mask: u8,
+        tokens: u32,
+    },
+    Complete {
+        pick: u8,
+        ok: bool,
+    },
     Finish(usize),
     Preempt(usize),
     Resume(usize),
     Heat(usize, u32),
+    /// The worker is rebuilt (`redo`: before the last plan's results came back).
+    Rebuild {
+        redo: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -129,6 +178,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(Op::Preempt),
         1 => (0..8usize).prop_map(Op::Resume),
         1 => (0..8usize, any::<u32>()).prop_map(|(i, s)| Op::Heat(i, s)),
+        1 => any::<bool>().prop_map(|redo| Op::Rebuild { redo }),
     ]
 }
 
@@ -211,6 +261,24 @@ fn run(cfg: Config, ops: Vec<Op>) {
                 summary.push(id, coldest.to_vec(), hottest.to_vec());
                 m.apply_results(&[], &[], &summary).unwrap();
             }
+            Op::Rebuild { redo } => {
+                if redo {
+                    w.lose_last_step(&m);
+                }
+                let lost = std::mem::take(&mut w.in_flight);
+                w.tables.clear();
+                w.hot.clear();
+                let plan = m.resync(redo).unwrap();
+                assert_eq!(plan.cleared_rows, (0..cfg.max_running).collect::<Vec<_>>());
+                for t in &lost {
+                    assert!(m.complete(&[*t], true).is_err(), "transfer {t} of the dead worker was accepted");
+                }
+                let scheduled: Vec<(u64, u32)> =
+                    plan.scheduled.iter().map(|s| (s.request, s.tokens)).collect();
+                let old: Vec<u32> = plan.scheduled.iter().map(|s| s.start).collect();
+                w.apply(&m, &plan, &scheduled, &old);
+                w.check(&m);
+            }
             _ => {}
         }
         m.check_invariants().unwrap_or_else(|e| panic!("after {op:?}: {e}"));
@@ -289,6 +357,17 @@ fn short_step_says_how_many_blocks_are_missing() {
     assert_eq!(m.stats(), before);
 }
 
+/// Others take every free block, so the GPU copies of `hashes` are reused and the prefix is on the host
+/// only; then `id` is admitted from it.
+fn admit_from_host_only_prefix(m: &mut ResidencyManager, id: u64, hashes: &[u64]) -> Admission {
+    m.admit(3, 48, &[], None).unwrap();
+    m.admit(5, 40, &[], None).unwrap();
+    assert!(!m.plan_step(&[(3, 48), (5, 40)]).unwrap().is_short());
+    m.finish(3).unwrap();
+    m.finish(5).unwrap();
+    m.admit(id, 21, hashes, None).unwrap()
+}
+
 #[test]
 fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     let mut m = small();
@@ -304,13 +383,7 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     let plan = m.plan_step(&[(2, 1)]).unwrap();
     assert!(plan.restores.is_empty());
     m.finish(2).unwrap();
-    // Others take every free block, so the GPU copies are reused: the prefix is then on the host only.
-    m.admit(3, 48, &[], None).unwrap();
-    m.admit(5, 40, &[], None).unwrap();
-    assert!(!m.plan_step(&[(3, 48), (5, 40)]).unwrap().is_short());
-    m.finish(3).unwrap();
-    m.finish(5).unwrap();
-    let a = m.admit(4, 21, &hashes, None).unwrap();
+    let a = admit_from_host_only_prefix(&mut m, 4, &hashes);
     assert_eq!(a.cached_tokens, 20);
     assert_eq!(a.residency, Residency::None);
     assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
@@ -338,6 +411,39 @@ fn preempted_request_resumes_from_host_without_recompute() {
     assert!(m.plan_step(&[(1, 1)]).is_err());
     let a = m.resume(1).unwrap();
     assert_eq!(a.cached_tokens, 16);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_rebuilt_worker_gets_the_whole_state_and_the_lost_step_again() {
+    let mut m = small();
+    let hashes: Vec<u64> = (1..=5).collect();
+    m.admit(1, 21, &hashes, None).unwrap();
+    decode(&mut m, &[1], 21, 1);
+    decode(&mut m, &[1], 1, 2); // the pages are written, copied and published
+    m.finish(1).unwrap();
+    admit_from_host_only_prefix(&mut m, 4, &hashes);
+    m.admit(2, 9, &[], None).unwrap();
+    let lost = m.plan_step(&[(4, 1), (2, 9)]).unwrap();
+    assert_eq!(lost.restores.len(), 5);
+    // The worker died before the step's results: its restores and tokens come again, with every row's state.
+    let plan = m.resync(true).unwrap();
+    assert_eq!(plan.cleared_rows, (0..m.config().max_running).collect::<Vec<_>>());
+    assert_eq!((&plan.restores, &plan.scheduled), (&lost.restores, &lost.scheduled));
+    assert_eq!(plan.seq_lens.len(), 2);
+    let pages = |m: &ResidencyManager, id| m.request_info(id).unwrap().num_pages as usize;
+    assert_eq!(plan.table_updates.len(), pages(&m, 4) + pages(&m, 2));
+    // A worker rebuilt after a step's results gets the state, not the step; copies in flight start again.
+    let next = m.plan_step(&[(4, 1), (2, 1)]).unwrap();
+    assert!(!next.materialize.is_empty());
+    let again = m.resync(false).unwrap();
+    assert!(again.scheduled.is_empty() && again.restores.is_empty());
+    let copied = |p: &StepPlan| p.materialize.iter().map(|c| (c.gpu_block, c.transfer)).collect::<Vec<_>>();
+    let (old, new) = (copied(&next), copied(&again));
+    assert_eq!(old.iter().map(|c| c.0).collect::<Vec<_>>(), new.iter().map(|c| c.0).collect::<Vec<_>>());
+    assert!(new.iter().all(|&(_, t)| old.iter().all(|&(_, o)| t > o)));
+    assert!(m.complete(&[old[0].1], true).is_err());
+    m.complete(&[new[0].1], true).unwrap();
     m.check_invariants().unwrap();
 }
 
