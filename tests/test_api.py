@@ -29,6 +29,14 @@ def test_errors_form_one_hierarchy_and_are_also_builtin_kinds():
     assert issubclass(InvalidArgumentError, ValueError) and issubclass(UnknownRequestError, KeyError)
 
 
+@pytest.mark.parametrize("gib", [float("nan"), float("inf"), -float("inf"), 0, -1.0, 1e300])
+def test_a_host_pool_size_out_of_range_is_a_config_error(gib):
+    """Any number is a valid argument type; whether it can size a pool is the configuration's to say."""
+    with pytest.raises(ConfigError, match="host_pool_gib"):
+        ResidencyManager(num_gpu_blocks=64, host_pool_gib=gib, page_bytes=1 << 20, block_size=16, max_model_len=512,
+                         top_k=32)
+
+
 def test_config_errors_say_what_to_raise():
     with pytest.raises(ConfigError, match="raise host_pool_gib to at least"):
         manager(num_host_blocks=8)

@@ -1,5 +1,6 @@
 """The engine hooks: string ids, the per-step call order (refused clearly when wrong), and a byte-checked loop."""
 
+import itertools
 import pickle
 
 import pytest
@@ -277,3 +278,25 @@ def test_the_slot_mapping_of_a_step_is_every_token_rows_in_order():
     sched.apply_results(worker.end_step())
     with pytest.raises(CallOrderError):
         worker.slot_mapping()
+
+
+def test_an_endless_schedule_is_refused_while_read():
+    """``plan_step`` reads what it is given with a bound: an endless iterable is refused, never collected."""
+    sched = SchedulerHooks(num_gpu_blocks=64, num_host_blocks=64, block_size=16, max_model_len=512, top_k=32)
+    sched.admit("a", 8)
+    with pytest.raises(InvalidArgumentError, match="more than"):
+        sched.plan_step(itertools.repeat(("a", 1)))
+    assert sched.plan_step([("a", 8)]).ok
+
+
+def test_a_step_pickles_with_its_checks():
+    """A step crosses processes as its fields; the receiving side checks them as the constructor does, and
+    takes a plan given as its bytes."""
+    sched = SchedulerHooks(num_gpu_blocks=64, num_host_blocks=64, block_size=16, max_model_len=512, top_k=32)
+    sched.admit("a", 8)
+    step = sched.plan_step([("a", 8)])
+    again = pickle.loads(pickle.dumps(step))
+    assert (again.step, again.plan, again.request_ids, again.resync) == (step.step, step.plan, ("a",), False)
+    assert WorkerStep(step.step, step.plan.to_bytes(), ["a"]).plan == step.plan
+    resync = pickle.loads(pickle.dumps(sched.resync_worker()))
+    assert resync.resync and resync.step == step.step and resync.request_ids == ("a",)

@@ -645,7 +645,9 @@ class DataPath:
         first = torch.cumsum(tokens, 0) - tokens  # each request's first token in the output
         pos = starts[which] + torch.arange(total, device=dev) - first[which]
         blocks = self.state["block_table"][rows[which], pos // lay.block_size].to(torch.int64)
-        return blocks * lay.block_size + pos % lay.block_size
+        # A page without a block (a table out of step; the CPU path refuses it) is written nowhere: -1, the
+        # slot engines skip, never a row of the null block.
+        return torch.where(blocks > 0, blocks * lay.block_size + pos % lay.block_size, -1)
 
     def _fresh_lru(self, n: int) -> torch.Tensor:
         lay = self.layout

@@ -217,6 +217,11 @@ impl StepPlan {
             let slots = (0..hot_blocks).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
             plan.hot_updates.push(HotUpdate { row, blocks: slots[..n].to_vec() });
         }
+        if plan.hot_updates.iter().map(|h| h.blocks.len()).max().unwrap_or(0) != hot_blocks {
+            return invalid(format!(
+                "the plan's hot regions are {hot_blocks} blocks wide, but none is that long"
+            ));
+        }
         plan.restores = (0..n_restore)
             .map(|_| Ok(Restore { gpu_block: r.u32()?, host_block: r.u32()? }))
             .collect::<Result<_>>()?;
