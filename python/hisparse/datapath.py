@@ -13,6 +13,7 @@ any other tensor of the same call (Rust would hold aliasing ``&mut`` slices); th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,12 +200,24 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+#: More elements than any call takes (the core's own bound on a sequence argument).
+_MAX_SEQUENCE = 1 << 24
+
+
+def _bounded_list(values: object, name: str) -> list:
+    """The elements of an iterable, refused past ``_MAX_SEQUENCE`` while reading (never collected whole)."""
+    try:
+        items = list(itertools.islice(values, _MAX_SEQUENCE + 1))  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a sequence, not {_describe(values)}") from None
+    if len(items) > _MAX_SEQUENCE:
+        raise InvalidArgumentError(f"{name} has more than {_MAX_SEQUENCE} elements")
+    return items
+
+
 def _as_int64(values: object, name: str) -> torch.Tensor:
     """A sequence of Python ints as an int64 tensor, refusing bools, floats and values beyond int64."""
-    try:
-        items = list(values)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be a sequence of integers, not {_describe(values)}") from None
+    items = _bounded_list(values, name)
     flat = [x for item in items for x in (item if isinstance(item, (tuple, list)) else (item,))]
     if any(isinstance(x, bool) or not isinstance(x, int) for x in flat):
         raise InvalidArgumentError(f"{name} must hold integers only")

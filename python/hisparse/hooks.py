@@ -55,7 +55,6 @@ copies and the same selections) go to ``apply_results``.
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -64,7 +63,7 @@ from typing import Any
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, HeatSummaryInFlight, Layout, _to_device
+from .datapath import DataPath, HeatSummaryInFlight, Layout, _bounded_list, _to_device
 from .errors import InvalidArgumentError, UnknownRequestError
 
 __all__ = [
@@ -208,21 +207,6 @@ class StepResults:
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
-
-
-#: More requests than one step ever schedules (the core's own bound on a sequence argument).
-_MAX_SEQUENCE = 1 << 24
-
-
-def _bounded_list(values: Any, name: str) -> list:
-    """The elements of an iterable, refused past ``_MAX_SEQUENCE`` while reading (never collected whole)."""
-    try:
-        items = list(itertools.islice(values, _MAX_SEQUENCE + 1))
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be a sequence, not {type(values).__name__}") from None
-    if len(items) > _MAX_SEQUENCE:
-        raise InvalidArgumentError(f"{name} has more than {_MAX_SEQUENCE} elements")
-    return items
 
 
 def _check_request_id(request_id: Any) -> str:
