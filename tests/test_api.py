@@ -244,3 +244,21 @@ def test_one_manager_shared_by_a_serving_loop_and_metrics_threads():
     shared.check_invariants()
     alone = fresh()
     assert serve(alone, range(served)) == released and alone.stats() == shared.stats()
+
+
+@pytest.mark.parametrize("policy", ["coldest", "fifo"])
+def test_requests_too_short_for_a_hot_region_are_admitted_as_plain_residency_admits_them(policy):
+    """A request whose pages outside its tail could never free more blocks than a hot region costs never
+    takes one: admission reserves only its tail, as plain residency does, and restores it whole."""
+    def admitted(policy: str, max_len: int) -> int:
+        m = manager(num_gpu_blocks=40, num_host_blocks=400, max_running=32, hot_rows=64, policy=policy)
+        n = 0
+        while True:
+            try:
+                m.admit(n, 16, None, max_len)
+            except CapacityError:
+                return n
+            n += 1
+
+    short, long = 5 * 16, 512  # 5 pages (3 outside the tail of 2; a region costs 4), 32 pages
+    assert admitted(policy, short) == admitted("resident", short) > admitted(policy, long)

@@ -1,6 +1,7 @@
 //! Configuration of one residency manager, validated once at construction.
 
 use crate::error::{CoreError, Result};
+use crate::pool_policy::worth_transition;
 
 /// Which pages go first when the GPU pool runs short.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,10 +101,24 @@ impl Config {
 
     /// The fewest GPU blocks a running request can be squeezed to: its tail and its hot region.
     pub fn min_gpu_footprint(&self) -> u32 {
-        let hot_rows = if self.policy.tiers() { self.hot_rows } else { 0 };
+        self.footprint(self.policy.tiers())
+    }
+
+    /// The blocks a running request keeps at least: its tail, and with `hot` its hot region.
+    pub fn footprint(&self, hot: bool) -> u32 {
+        let hot_rows = if hot { self.hot_rows } else { 0 };
         // A zero block size is refused by validate(); until then, count it as no footprint.
         steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1)
             .map_or(0, |b| b.min(u32::MAX as u64) as u32)
+    }
+
+    /// Whether a request of `max_len` tokens can ever read through a hot region: only where releasing every
+    /// page outside its tail would free more blocks than the region costs (the test pressure applies before
+    /// a move). One that cannot is served as plain residency serves it: restored whole, keeping its tail.
+    pub fn tiered(&self, max_len: u32) -> bool {
+        let pages = max_len.div_ceil(self.block_size.max(1)) as usize;
+        let outside_tail = pages.saturating_sub(self.tail_pages as usize);
+        self.policy.tiers() && worth_transition(outside_tail, 1, self.hot_blocks() as usize)
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -101,7 +101,8 @@ impl ResidencyManager {
     /// Gives a request (admitted or preempted, all pages host-only) a row, adopts GPU copies still
     /// readable, restores its tail and leases its hot region. All or nothing.
     pub(super) fn start_running(&mut self, id: u64) -> Result<Admission> {
-        let footprint = self.cfg.min_gpu_footprint() as u64;
+        let tiered = self.cfg.tiered(self.req(id)?.max_len);
+        let footprint = self.cfg.footprint(tiered) as u64;
         let usable = self.cfg.num_gpu_blocks as u64 - 1;
         if self.gpu_reserved + footprint > usable {
             return Err(CoreError::Capacity {
@@ -109,11 +110,11 @@ impl ResidencyManager {
                 needed: footprint,
                 available: usable - self.gpu_reserved,
                 message: format!(
-                    "the GPU pool cannot back request {id}: every running request keeps at least {footprint} blocks \
+                    "the GPU pool cannot back request {id}: it keeps at least {footprint} blocks while it runs \
                      (tail {} + hot region {}), and {} of {usable} are committed; raise the GPU pool, lower hot_rows, \
                      or finish requests",
                     self.cfg.tail_pages,
-                    self.hot_cost(),
+                    if tiered { self.hot_cost() } else { 0 },
                     self.gpu_reserved
                 ),
             });
@@ -138,7 +139,7 @@ impl ResidencyManager {
             .collect();
         let adopted: IdSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
         // Without tiers everything comes back whole; with them the tail, and the rest reads through hot rows.
-        let restore_from = if self.cfg.policy.tiers() { tail_start } else { 0 };
+        let restore_from = if tiered { tail_start } else { 0 };
         let restores = (restore_from..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
         let needs_hot = (0..restore_from as u32).any(|p| !adopted.contains(&p));
         let needed = restores + if needs_hot { self.hot_cost() } else { 0 };

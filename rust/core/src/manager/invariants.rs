@@ -16,7 +16,7 @@ impl ResidencyManager {
         let mut readers: HashSet<(u32, Reader)> = HashSet::new();
         let mut rows = HashSet::new();
         let mut host_reserved = 0u64;
-        let mut running = 0u64;
+        let mut gpu_reserved = 0u64;
         // Blocks only one owner may hold: pages still being written or copied, and hot regions.
         let mut exclusive: Vec<u32> = Vec::new();
         for (&id, r) in &self.requests {
@@ -24,7 +24,7 @@ impl ResidencyManager {
             let n = r.pages.len();
             match r.status {
                 Status::Running { row } => {
-                    running += 1;
+                    gpu_reserved += cfg.footprint(cfg.tiered(r.max_len)) as u64;
                     if row >= cfg.max_running || !rows.insert(row) || self.free_rows.contains(&row) {
                         return invariant(format!("request {id}: row {row} is not its own"));
                     }
@@ -166,7 +166,7 @@ impl ResidencyManager {
         if host_reserved != self.host.reserved() {
             return invariant("host reservations disagree with admitted requests");
         }
-        if running * cfg.min_gpu_footprint() as u64 != self.gpu_reserved {
+        if gpu_reserved != self.gpu_reserved {
             return invariant("GPU reservations disagree with running requests");
         }
         if self.free_rows.len() + rows.len() != cfg.max_running as usize {

@@ -473,14 +473,18 @@ fn admission_names_the_binding_resource() {
         Err(CoreError::Capacity { resource: Resource::HostBlocks, .. }) => {}
         other => panic!("{other:?}"),
     }
-    let mut m = ResidencyManager::new(test_config(14, 400)).unwrap();
-    // 13 usable blocks, 4 per running request at least.
-    for id in 0..3 {
-        m.admit(id, 4, &[], Some(16)).unwrap();
-    }
-    match m.admit(3, 4, &[], Some(16)) {
-        Err(CoreError::Capacity { resource: Resource::GpuBlocks, .. }) => {}
-        other => panic!("{other:?}"),
+    // 13 usable blocks, 4 per running request that may read through a hot region (tail 2 + region 2), 2 (its
+    // tail, as plain residency keeps) per request too short ever to take one (4 pages: 2 outside the tail).
+    for (max_len, admitted) in [(64, 3), (16, 6)] {
+        let mut m = ResidencyManager::new(test_config(14, 400)).unwrap();
+        for id in 0..admitted {
+            m.admit(id, 4, &[], Some(max_len)).unwrap();
+        }
+        match m.admit(admitted, 4, &[], Some(max_len)) {
+            Err(CoreError::Capacity { resource: Resource::GpuBlocks, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        m.check_invariants().unwrap();
     }
 }
 
