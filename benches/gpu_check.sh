@@ -58,7 +58,8 @@ per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60) 
 # Workers in their own processes: a kernel fault ends its worker (tests/conftest.py), not the tests after it.
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 timeout 200 python3 -m pytest -q -m gpu -rs -p no:cacheprovider $per_test $workers --junitxml="$OUT/pytest_gpu.xml" \
-  tests/test_kernels_gpu.py tests/test_kernels_transfer.py tests/test_hooks_gpu.py tests/test_vllm_heat_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  tests/test_kernels_gpu.py tests/test_kernels_transfer.py tests/test_hooks_gpu.py tests/test_vllm_heat_gpu.py \
+  tests/test_bad_input.py 2>&1 | tee "$OUT/pytest_gpu.log"
 rc=${PIPESTATUS[0]}; echo "pytest: rc=$rc"; [ $rc -eq 0 ] || failed+=(pytest)
 python3 - "$OUT/pytest_gpu.xml" <<'EOF'
 import sys

@@ -58,3 +58,33 @@ def heat(rankings, hottest=None) -> bytes:
     if len(words) % 2:
         words.append(0)
     return struct.pack(f"<{len(words)}I", *words) + struct.pack(f"<{len(rankings)}Q", *(r for r, _ in rankings))
+
+
+def sections(plan: StepPlan) -> dict:
+    """A plan's sections as :func:`encode` takes them (its views), to build a variant of a real plan."""
+    return {name: list(getattr(plan, name)) for name in _SECTIONS}
+
+
+def crafted(valid: bytes) -> list[tuple[str, bytes]]:
+    """Byte strings no decoder may take, derived from the encoding of a valid plan: truncated, trailing
+    bytes, bad magic or version, every count (and the hot-region width) inflated past the data, undefined
+    flags and codes."""
+    words = list(struct.unpack(f"<{len(valid) // 4}I", valid))
+    out = [(f"truncated to {n} bytes", valid[:n]) for n in sorted({0, 3, 4, 8, 12, 24, 55, len(valid) // 2,
+                                                                 len(valid) - 8, len(valid) - 1})]
+    out += [("8 trailing bytes", valid + bytes(8)), ("1 trailing byte", valid + b"\0"),
+            ("bad magic", b"HSPX" + valid[4:]), ("version 2", valid[:4] + struct.pack("<I", 2) + valid[8:]),
+            ("a heat summary's magic", b"HSHT" + valid[4:])]
+
+    def with_word(i: int, value: int) -> bytes:
+        w = list(words)
+        w[i] = value & 0xFFFFFFFF
+        return struct.pack(f"<{len(w)}I", *w)
+
+    for i, name in enumerate(["hot-region width", *_SECTIONS], start=5):
+        for value in (words[i] + 1, 2**31, 2**32 - 1):
+            out.append((f"{name} count {value}", with_word(i, value)))
+    table_at = 14 + words[6] + 2 * words[7]  # the first table update's words, if any
+    if words[8]:
+        out.append(("table flag 2", with_word(table_at + 4, 2)))
+    return out

@@ -10,7 +10,12 @@ byte-identical afterwards, and at the end the audit passes and a valid step read
 
 from __future__ import annotations
 
+import copyreg
+import itertools
 import math
+import pickle
+import random
+import struct
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -18,8 +23,8 @@ import plans
 import pytest
 import torch
 
-from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, _core
-from hisparse.hooks import StepResults, WorkerStep
+from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, StepPlan, _core
+from hisparse.hooks import StepGapError, StepResults, WorkerStep
 from hisparse.scenario import Driver
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
@@ -45,9 +50,9 @@ def serving() -> Driver:
     d = Driver(m, DataPath(LAYOUT), top_k=TOP_K, seed=7)
     for rid in range(3):
         d.admit(rid, 40, family=rid % 2, shared_tokens=16, max_len=90)
-    d.step([(rid, 40) for rid in range(3)])
+    d.plans = [d.step([(rid, 40) for rid in range(3)])]  # the plans, for tests that corrupt real ones
     for _ in range(12):
-        d.step([(rid, 2) for rid in range(3)], deliver=0.8)
+        d.plans.append(d.step([(rid, 2) for rid in range(3)], deliver=0.8))
         d.decode_resolve([0, 1, 2])
     d.close(deliver=0.5)
     assert d.withheld, "the battery wants copies in flight"
@@ -69,6 +74,16 @@ def assert_same(before: tuple, after: tuple, what: str) -> None:
     assert before[0] == after[0], f"{what}: the scheduler's state changed"
     for k, v in before[1].items():
         assert torch.equal(v, after[1][k]), f"{what}: worker tensor {k} changed"
+
+
+def crafted_heat(valid: bytes) -> list[tuple[str, bytes]]:
+    """An encoded heat summary cut short, with trailing bytes, or with its request or page count inflated."""
+    out = [(f"cut to {n} bytes", valid[:n]) for n in (0, 7, 12, 16, len(valid) - 8, len(valid) - 1)]
+    out.append(("with 8 trailing bytes", valid + bytes(8)))
+    for at, name in ((8, "requests"), (12, "pages")):
+        for value in (2**31, 2**32 - 1, struct.unpack_from("<I", valid, at)[0] + 1):
+            out.append((f"{name} count {value}", valid[:at] + struct.pack("<I", value) + valid[at + 4 :]))
+    return out
 
 
 def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
@@ -166,7 +181,7 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("heat request twice", dict(heat=plans.heat([(core, [(0, 1)]), (core, [(0, 2)])]))),
         ("heat garbage", dict(heat=b"\x00" * 40)),
         ("heat of a plan", dict(heat=step.plan.to_bytes())),
-    ]:
+    ] + [(f"heat {what}", dict(heat=data)) for what, data in crafted_heat(plans.heat({core: [(0, 1), (2, 3)]}))]:
         add("apply_results", what, lambda kwargs=kwargs: m.apply_results(**kwargs))
     for bad in [[1.5], [-(2**63) - 1], [2**64], "ab", 5, [None], [True]]:
         add("add_page_hashes", f"hashes={bad!r}", lambda bad=bad: m.add_page_hashes(core, bad))
@@ -278,6 +293,11 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     # ------------------------------------------------------------ DataPath
     bad_pairs = [[(0, 1, 2)], [(0,)], [(1.5, 1)], [(True, 1)], [(2**40, 0)], [(2**64, 0)], [(0, 2**63)], "ab", 7,
                  [(1, 2), (3,)], [None]]
+    endless = itertools.repeat((1, 1))
+    for entry, call in [("DataPath.copy_blocks", lambda: dp.copy_blocks(endless, to_host=False)),
+                        ("DataPath.mirror", lambda: dp.mirror(endless)),
+                        ("DataPath.invalidate", lambda: dp.invalidate(endless))]:
+        add(entry, "an endless iterable of pairs", call)
     for bad in [*bad_pairs, [(40, 0)], [(0, 160)], [(1, 5), (1, 6)]]:
         add("DataPath.copy_blocks", f"{bad!r:.30} to GPU", lambda bad=bad: dp.copy_blocks(bad, to_host=False))
     for bad in [*bad_pairs, [(1, 5), (2, 5)]]:
@@ -318,6 +338,60 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
                        ("int64 topk", lambda: dp.resolve(topk.long(), row)),
                        ("row 9", lambda: dp.resolve(topk, row + 9))]:
         add("DataPath.resolve/gather", what, call)
+
+    # ------------------------------------------------------------ what arrives as bytes
+    valid = step.plan.to_bytes()
+    for what, data in plans.crafted(valid):
+        add("StepPlan.from_bytes", what, lambda data=data: StepPlan.from_bytes(data))
+        add("WorkerStep(plan=bytes)", what, lambda data=data: WorkerStep(step.step, data, step.request_ids))
+    for bad in [None, "HSPL", 5, [1, 2], bytearray(3)]:
+        add("StepPlan.from_bytes", f"{bad!r:.20}", lambda bad=bad: StepPlan.from_bytes(bad))
+    # Plans that decode but schedule positions, or restore into blocks, they do not own: both worker paths
+    # (Rust on CPU, torch on a device: here on CPU tensors) refuse them whole.
+    ok = plans.sections(step.plan)
+    first = ok["scheduled"][0]
+    rid, srow, start, n = first
+    not_owned = {
+        "start wrapped to -2": dict(ok, scheduled=[(rid, srow, 2**32 - 2, n + 2)] + ok["scheduled"][1:]),
+        "2**32 - 1 tokens": dict(ok, scheduled=[(rid, srow, start, 2**32 - 1)] + ok["scheduled"][1:]),
+        "a start one page past the table": dict(ok, scheduled=[(rid, srow, 96, n)] + ok["scheduled"][1:]),
+        "no length for a scheduled row": dict(ok, seq_lens=[e for e in ok["seq_lens"] if e[0] != srow]),
+        "another request's row": dict(ok, scheduled=[(rid + 1, srow, start, n)] + ok["scheduled"][1:]),
+        "a restore no table names": dict(ok, restores=[*ok["restores"], (39, 0)]),
+    }
+    for what, fields in not_owned.items():
+        bad_plan = plans.plan(**fields)
+        add("DataPath.apply", what, lambda bad_plan=bad_plan: dp.apply(bad_plan))
+        add("DataPath.apply (device path)", what, lambda bad_plan=bad_plan: dp._apply_torch(bad_plan))
+        add("DataPath.slot_mapping", what, lambda bad_plan=bad_plan: dp.slot_mapping(bad_plan))
+
+    class Forged:
+        """Pickles as a WorkerStep with the given state: what an unpickler hands ``__setstate__``."""
+
+        def __init__(self, state):
+            self.state = state
+
+        def __reduce__(self):
+            return copyreg._reconstructor, (WorkerStep, object, None), self.state
+
+    fields = {"step": step.step, "plan": step.plan, "request_ids": step.request_ids, "resync": False}
+    for what, state in [
+        ("one request id short", {**fields, "request_ids": step.request_ids[:-1]}),
+        ("plan garbage bytes", {**fields, "plan": b"garbage"}), ("plan None", {**fields, "plan": None}),
+        ("plan truncated", {**fields, "plan": valid[:-4]}), ("step -1", {**fields, "step": -1}),
+        ("step a str", {**fields, "step": "3"}), ("resync 'yes'", {**fields, "resync": "yes"}),
+        ("ids not str", {**fields, "request_ids": tuple(range(len(step.request_ids)))}),
+        ("an unknown field", {**fields, "extra": 1}), ("no plan", {"step": 1}), ("not a dict", [1, 2]),
+    ]:
+        add("WorkerStep unpickled", what, lambda state=state: pickle.loads(pickle.dumps(Forged(state))))
+
+    # ------------------------------------------------------------ sequences read with a bound, nested ones too
+    for what, call in [("an inner pair of 2**40", lambda: m.plan_step([range(2**40)])),
+                       ("an inner Huge", lambda: m.plan_step([Huge()])),
+                       ("inner pairs of 2**40", lambda: m.plan_step(range(2**40) for _ in range(3)))]:
+        add("plan_step", what, call)
+    for bad in [None, 1, 0, "yes", 1.0]:
+        add("resync", f"redo_last_step={bad!r}", lambda bad=bad: m.resync(bad))
 
     # ------------------------------------------------------------ Layout
     for field in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running", "hot_rows",
@@ -371,3 +445,135 @@ def test_negative_and_huge_hashes_are_hashes(ids):
     assert a.cached_tokens == 0
     m.add_page_hashes(1, [0])
     m.check_invariants()
+
+
+def clone(dp: DataPath, device: str = "cpu") -> DataPath:
+    """A data path with the same state, slab and host pool, in tensors of its own on ``device``."""
+    out = DataPath(LAYOUT, device)
+    for name, t in dp.state.items():
+        out.state[name].copy_(t)
+    for mine, theirs in ((out.gpu, dp.gpu), (out.host, dp.host)):
+        mine.copy_(theirs)
+    return out
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One random corruption: a bit flipped, a word set to an edge value, bytes cut, added or dropped."""
+    words = len(data) // 4
+    kind = rng.randrange(5)
+    if kind == 0:
+        at = rng.randrange(len(data))
+        return data[:at] + bytes([data[at] ^ 1 << rng.randrange(8)]) + data[at + 1 :]
+    if kind == 1:
+        at = 4 * rng.randrange(words)
+        old = struct.unpack_from("<I", data, at)[0]
+        value = rng.choice([0, 1, 2**31, 2**32 - 1, 2**32 - 2, old + 1, old - 1, rng.randrange(2**32)])
+        return data[:at] + struct.pack("<I", value & 0xFFFFFFFF) + data[at + 4 :]
+    if kind == 2:
+        return data[: rng.randrange(len(data))]
+    at = 4 * rng.randrange(words)
+    return data[:at] + bytes(4) + data[at:] if kind == 3 else data[:at] + data[at + 4 :]
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_mutated_plans_are_refused_or_applied_alike_by_both_worker_paths(device):
+    """Random corruptions of real plans (bits, edge values, cuts, inserted or dropped words): each is refused
+    by the decoder, or by both worker paths with the same message and nothing changed, or applied by both
+    with the same state, slab and host pool and the same slot mapping, every slot inside the slab and in a
+    block of its own row's table. The device path runs on CPU tensors here, on a GPU where there is one."""
+    d = serving()
+    real = [p.to_bytes() for p in d.plans if p.num_scheduled and (p.table_updates or p.materialize)]
+    assert len(real) >= 3
+    base = d.dp
+    before = {k: v.clone() for k, v in base.state.items()}
+    rng = random.Random(0)
+    outcomes = {"decode": 0, "refused": 0, "applied": 0}
+    for i in range(2000 if device == "cpu" else 400):
+        data = mutate(real[i % len(real)], rng)
+        try:
+            plan = StepPlan.from_bytes(data)
+        except HiSparseError:
+            outcomes["decode"] += 1
+            continue
+        cpu_path, device_path = clone(base), clone(base, device)
+        refusals = []
+        for apply in (cpu_path.apply, device_path.apply if device == "cuda" else device_path._apply_torch):
+            try:
+                apply(plan)
+                refusals.append(None)
+            except HiSparseError as e:
+                refusals.append(str(e))
+        assert refusals[0] == refusals[1], f"mutation {i}: the paths disagree: {refusals}"
+        if device == "cuda":
+            torch.cuda.synchronize()
+        state = {k: (cpu_path.state[k], device_path.state[k].cpu()) for k in before}
+        if refusals[0] is not None:
+            assert all(torch.equal(a, before[k]) and torch.equal(b, before[k]) for k, (a, b) in state.items()), \
+                f"mutation {i} changed state"
+            outcomes["refused"] += 1
+            continue
+        for k, (a, b) in state.items():
+            assert torch.equal(a, b), f"mutation {i}: {k} differs"
+        assert torch.equal(cpu_path.gpu, device_path.gpu.cpu()) and torch.equal(cpu_path.host, device_path.host)
+        slots = device_path._slot_mapping_torch(plan).cpu()
+        try:
+            cpu = cpu_path.slot_mapping(plan)
+        except HiSparseError as e:  # a scheduled page without a block: the device path maps it nowhere (-1)
+            assert "no resident block" in str(e) and bool((slots < 0).any()), f"mutation {i}: {e}"
+            outcomes["refused"] += 1
+            continue
+        assert torch.equal(cpu, slots), f"mutation {i}: the slot mappings differ"
+        rows = torch.repeat_interleave(torch.tensor([r for _, r, _, _ in plan.scheduled], dtype=torch.int64),
+                                       torch.tensor([n for *_, n in plan.scheduled], dtype=torch.int64))
+        blocks = cpu // LAYOUT.block_size
+        assert bool(((blocks > 0) & (blocks < LAYOUT.num_gpu_blocks)).all()), f"mutation {i}: a slot off the slab"
+        table = cpu_path.state["block_table"]
+        assert bool((table[rows] == blocks[:, None]).any(dim=1).all()), f"mutation {i}: a slot outside its row"
+        outcomes["applied"] += 1
+    assert min(outcomes.values()) > 0, outcomes
+
+
+@pytest.mark.parametrize("mid_step", [True, False])
+def test_a_rebuilt_worker_resumes_with_every_byte_right(mid_step):
+    """The worker process dies under pressure with copies in flight (in a step's forward, or between steps)
+    and a new one registers the same slab and host pool. Handed the next plan it refuses (a step gap, nothing
+    changed); the scheduler's resync step brings it to the current state: the dead worker's copies count as
+    failed and start again under new ids (its late reports are refused), a lost step's restores and tokens
+    come again, and every byte of every request reads back, then and after more serving under pressure."""
+    d = serving()
+    lost = list(d.withheld)
+    assert lost
+    if not mid_step:  # its results came back: the next plan is made before anyone notices the worker died
+        d.close(deliver=0.0)
+        lost = list(d.withheld)
+        nxt = d.sched.plan_step([(d.name(r), 1) for r in range(3)])
+        fresh = type(d.worker)(DataPath(LAYOUT, gpu=d.dp.gpu, host=d.dp.host))
+        before = snapshot(d)
+        with pytest.raises(StepGapError, match="skips step 1"):
+            fresh.apply(nxt)
+        assert_same(before, snapshot(d), "a refused step")
+        for r in range(3):  # the step is outstanding: the resync step redoes it, tokens included
+            d.specs[r].written += 1
+    step = d.rebuild_worker(mid_step=True)  # in the forward of a step, or (not mid_step) of none
+    assert step.resync and d.worker.last_step == step.step
+    redone = {t for t, _, _ in step.plan.materialize}
+    assert redone and not redone & set(lost), "the copies in flight start again under new ids"
+    assert step.plan.num_tokens == 3, "the lost step's tokens come again"
+    with pytest.raises(HiSparseError, match="not in flight"):
+        d.m.complete(lost[:1])
+    for r in range(3):
+        assert d.verify_all(r) == d.specs[r].written
+    rows = 0
+    for _ in range(12):
+        d.step([(r, 2) for r in range(3)], deliver=0.6)
+        d.decode_resolve([0, 1, 2])
+    assert any(d.info(r)["residency"] != "full" for r in range(3)), "still under pressure"
+    for r in range(3):
+        rows += d.verify_all(r)
+    d.close()
+    d.m.check_invariants()
+    assert rows == sum(d.specs[r].written for r in range(3))

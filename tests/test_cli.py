@@ -8,6 +8,8 @@ depend on the machine. A few cases go through a subprocess to show that no trace
 from __future__ import annotations
 
 import ast
+import io
+import itertools
 import json
 import os
 import re
@@ -36,7 +38,7 @@ def ints(*extra: str) -> tuple[str, ...]:
 # (subcommand, flag, bad values): each value is tried alone after the flag.
 DEMO = [
     ("--requests", ints("2147483648")),  # 2**31 requests: the memory check
-    ("--prompt-len", ints("2147483648", "1048576")),  # the model's exact indexer scores stop at 2**20 positions
+    ("--prompt-len", ints("2147483648", "1048576", "100000")),  # 2**20: the indexer's exact scores; 1e5: its work
     ("--new-tokens", ints("2147483648", "1048576")),
     ("--layers", ints("2147483648", "100000")),  # the memory check
     ("--index-share", ints("2147483648", "3")),  # more than --layers 2
@@ -47,6 +49,7 @@ DEMO = [
 ]
 SCENARIO = [
     ("--seed", ("abc", "", "1.5", "nan", "inf", "-1", "18446744073709551616", "1e308")),
+    ("--rebuild-every", ("abc", "", "1.5", "nan", "-1", "10001", "18446744073709551616")),
 ]
 CALC = [
     ("--tp", ints()), ("--dp", ints()), ("--seq", ints()), ("--hot-rows", ints()),
@@ -273,3 +276,80 @@ def test_nothing_imports_the_cli_back() -> None:
             else:
                 continue
             assert not any(n.split(".")[-1] == "cli" or ".cli." in f".{n}." for n in names), (path, names)
+
+
+def test_runs_beyond_their_bounds_are_refused_with_what_fits(capsys) -> None:
+    """A demo whose exact indexer would score 8e10 pairs (an hour here) and a simulation whose GPU pool cannot hold
+    one step are refused in one line that names the value that fits."""
+    expect = {
+        ("demo", "--prompt-len", "100000", "--requests", "2"): "use --prompt-len 35,226 or less",
+        ("simulate", "--mode", "offload", "--kv-hbm-gib", "0.5", "--concurrency", "1", "--steps", "50"):
+            "use --kv-hbm-gib 4.33 or more",
+    }
+    for argv, text in expect.items():
+        assert text in assert_refused(list(argv), capsys), argv
+
+
+def test_the_demo_prompt_it_suggests_fits_and_one_more_does_not() -> None:
+    def config(prompt_len: int) -> demo.DemoConfig:
+        return demo.DemoConfig(requests=2, prompt_len=prompt_len)
+
+    demo.check(config(35_226))
+    with pytest.raises(ConfigError, match="use --prompt-len 35,226 or less"):
+        demo.check(config(35_227))
+    assert demo.indexer_scores(demo.DemoConfig(), 4) < demo.MAX_INDEXER_SCORES / 5  # the default run is far inside
+
+
+def test_a_simulation_that_cannot_progress_ends_at_once_with_the_cause() -> None:
+    """The issue's command looped forever without output (no step ever fit, so neither the clock nor --steps
+    moved); it now ends within the timeout, in one line naming the resource and the size that works."""
+    done = subprocess.run([sys.executable, "-m", "hisparse", "simulate", "--mode", "offload", "--kv-hbm-gib", "0.5",
+                           "--concurrency", "1", "--steps", "50"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "keeps a request whole on the GPU" in done.stderr and "use --kv-hbm-gib 4.33 or more" in done.stderr
+
+
+SLOW_RUNS = {  # each takes a second or two, and prints one JSON object on stdout
+    "simulate": ["simulate", "--mode", "hisparse", "--policy", "fifo", "--concurrency", "1", "--duration", "60",
+                 "--json"],
+    "demo": ["demo", "--requests", "2", "--prompt-len", "64", "--new-tokens", "4", "--json"],
+    "scenario": ["scenario", "--json"],
+}
+LABELS = {"simulate": {"simulate"}, "demo": {"unlimited", *demo.MODES}, "scenario": {"scenario"}}
+
+
+@pytest.mark.parametrize("command", SLOW_RUNS)
+def test_a_slow_run_shows_progress_on_stderr_and_a_quick_one_does_not(command: str, monkeypatch, capsys) -> None:
+    """Off a terminal, a run that lasts (here its clock moves a second at each look) prints progress lines on
+    stderr from its start, every label of it, and leaves stdout to the result; a run that does not last prints
+    nothing there."""
+    monkeypatch.undo()
+    monkeypatch.setattr(console.Progress, "clock", staticmethod(itertools.count().__next__))
+    status, out, err = run(SLOW_RUNS[command], capsys)
+    assert status == 0, err
+    json.loads(out)
+    lines = err.splitlines()
+    assert len(lines) >= 2, err
+    assert all(re.fullmatch(r"[a-z]+ +\[[#.]{30}\] .*\d s", line) for line in lines), err
+    assert {line.split()[0] for line in lines} == LABELS[command]
+    assert lines[-1].count("#") == 30  # the end is shown too
+    monkeypatch.setattr(console.Progress, "clock", staticmethod(lambda: 0.0))
+    status, out, err = run(SLOW_RUNS[command], capsys)
+    assert status == 0 and err == "", err
+    json.loads(out)
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds_and_at_each_quarter(monkeypatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(console.Progress, "clock", staticmethod(lambda: now[0]))
+    stream = io.StringIO()
+    bar = console.Progress(stream=stream)
+    bar.start("run")
+    for t, fraction in ((1.0, 0.1), (1.9, 0.3), (2.0, 0.3), (3.0, 0.3), (6.9, 0.3), (7.0, 0.3), (7.1, 0.5),
+                        (7.2, 0.6), (7.3, 1.0), (7.4, 1.0)):
+        now[0] = t
+        bar.update(fraction, f"at {t}")
+    bar.close()
+    # Quiet for 2 s (a quick run prints nothing); then a line at once, 5 s later, and at each new quarter.
+    assert [line.split("] ")[1].split()[1] for line in stream.getvalue().splitlines()] == ["2.0", "7.0", "7.1", "7.3"]

@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from hisparse import ConfigError
+from hisparse import CapacityError, ConfigError
 from hisparse.tools import sim_constants as K
+from hisparse.tools import simulate as sim_mod
 from hisparse.tools.simulate import SimConfig, Simulation, add_parser, derive, miss_rate, simulate, to_json
 
 
@@ -138,3 +139,34 @@ def test_cli_table_and_bad_arguments(capsys):
     args = parser.parse_args(["simulate", "--hot-rows", "100", "--mode", "hisparse", "--no-progress"])
     with pytest.raises(ConfigError, match="hot rows must lie in"):  # fewer hot rows than top_k
         args.func(args)
+
+
+@pytest.mark.parametrize(("mode", "least"), [("offload", 4.33), ("hisparse", 1.65)])
+def test_a_pool_that_can_never_run_a_step_is_refused_with_the_size_that_can(mode, least):
+    """Offload keeps a request whole on the GPU (the last turn: 1,345 blocks), and no mode shrinks a prefill chunk
+    (32,768 tokens: 512 blocks): with less, a point would loop without progress. The size the error names runs."""
+    with pytest.raises(ConfigError, match=rf"use --kv-hbm-gib {least} or more"):
+        derive(SimConfig(mode=mode, policy="fifo", kv_hbm_gib=least - 0.01))
+    derive(SimConfig(mode=mode, policy="fifo", kv_hbm_gib=least))
+    with pytest.raises(ConfigError, match="num_gpu_blocks 1,346 or more"):
+        derive(SimConfig(mode="offload", num_gpu_blocks=1345))
+
+
+def test_a_point_that_stops_making_progress_ends_with_its_cause():
+    """3 GiB runs a step of hisparse, but each next chunk finds the last one's pages still on their way to the
+    host, and the preemption throws the step away: the clock runs, no token comes. The point ends in a few ms
+    with the size that needs no release."""
+    cfg = SimConfig(mode="hisparse", policy="fifo", kv_hbm_gib=3.0, concurrency=1)
+    with pytest.raises(CapacityError, match=r"no request computed a new token .* use --kv-hbm-gib 4\.33 or more"):
+        Simulation(cfg).run()
+    derive(dataclasses.replace(cfg, kv_hbm_gib=4.33))
+    assert Simulation(dataclasses.replace(cfg, kv_hbm_gib=4.33, duration_s=60.0)).run()["output_tok_s"] > 0
+
+
+def test_a_point_whose_clock_stops_ends_with_its_cause(monkeypatch):
+    """Without the check before the run, offload at 0.5 GiB retries the same short step forever with the clock
+    stopped (the issue's `--steps 50` never counted it): the point ends after a bounded number of passes."""
+    monkeypatch.setattr(sim_mod, "_check_pool", lambda *args: None)
+    cfg = SimConfig(mode="offload", kv_hbm_gib=0.5, concurrency=1, max_steps=50)
+    with pytest.raises(CapacityError, match=r"up to t=0\.00 s .* use --kv-hbm-gib 4\.33 or more"):
+        Simulation(cfg).run()

@@ -1,6 +1,6 @@
 """The residency core and the CPU data path under random serving, driven through the engine hooks with
-copies reported late, out of order and failed: every step keeps the invariants, and every written row reads
-back exactly through ``resolve``."""
+copies reported late, out of order and failed, and workers rebuilt mid-serving: every step keeps the
+invariants, and every written row reads back exactly through ``resolve``."""
 
 from dataclasses import replace
 
@@ -124,6 +124,16 @@ class Serving(RuleBasedStateMachine):
         self.preempted.remove(rid)
         self.running.append(rid)
         self.unsynced.add(rid)
+
+    @rule(mid_step=st.booleans())
+    def rebuild_worker(self, mid_step):
+        """The worker dies (in a forward, or between steps) and a new one takes the scheduler's resync step:
+        it holds every running request again and reads back every row of each."""
+        step = self.d.rebuild_worker(mid_step)
+        assert step.resync and self.d.worker.last_step == step.step
+        self.unsynced.clear()
+        for rid in self.running:
+            self.d.verify_all(rid)
 
     @invariant()
     def core_invariants_hold(self):

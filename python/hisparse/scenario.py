@@ -22,7 +22,8 @@ from ._core import ResidencyManager, StepPlan
 from .datapath import DataPath, Layout
 from .errors import CapacityError
 from .hooks import SchedulerHooks, WorkerHooks, WorkerStep
-from .tools.argtypes import seed
+from .tools import console
+from .tools.argtypes import int_range, seed
 
 
 def expected_rows(keys: torch.Tensor, positions: torch.Tensor, layer: int, row_bytes: int) -> torch.Tensor:
@@ -62,6 +63,7 @@ class Driver:
         self.dp = datapath
         self.top_k = top_k
         self.rng = random.Random(seed)
+        self._torch_rng = torch.Generator().manual_seed(seed)
         self.specs: dict[int, RequestSpec] = {}
         self.open: WorkerStep | None = None
         self.withheld: list[int] = []  # copies the worker finished that the scheduler has not been told of
@@ -149,6 +151,36 @@ class Driver:
         ok = tuple(t for t in chosen if t not in failed_set)
         self.sched.apply_results(replace(results, completed=ok, failed=tuple(failed)))
 
+    def rebuild_worker(self, mid_step: bool = True) -> WorkerStep:
+        """The worker process dies and a new one registers the same slab and host pool (their bytes survive;
+        every other worker state is gone). ``mid_step``: it dies in the open step's forward, before its
+        results: the rows that step wrote and the blocks it restored hold garbage then. Otherwise the open
+        step ends first. The new worker applies the scheduler's resync step, and the tokens of a step redone
+        are written again; returns that step, left open."""
+        lost = self.open if mid_step else None
+        if not mid_step:
+            self.close()
+        elif lost is not None:
+            garbage = torch.randint(0, 256, (self.layout.row_bytes,), dtype=torch.uint8, generator=self._torch_rng)
+            slots = self.worker.slot_mapping()
+            bs = self.layout.block_size
+            restored = [torch.arange(g * bs, (g + 1) * bs) for g, _ in lost.plan.restores]
+            for layer in range(self.layout.num_layers):
+                for rows in (slots, *restored):
+                    self.dp.gpu[layer][rows] = garbage
+        self.open = None
+        self.withheld = []  # what the dead worker finished is never reported: the scheduler redoes it
+        self.dp = DataPath(self.layout, gpu=self.dp.gpu, host=self.dp.host)
+        self.worker = WorkerHooks(self.dp, heat_interval=self.worker.heat_interval)
+        step = self.sched.resync_worker()
+        self.worker.apply(step)
+        self.open = step
+        for req in step.requests:  # the lost step's tokens, written again
+            request_id = int(req.request_id.removeprefix("r"))
+            self.specs[request_id].written = req.start
+            self.write(request_id, req.num_tokens)
+        return step
+
     def in_step(self) -> WorkerStep:
         """The open step, opening an empty one if there is none (the worker reads only inside a step)."""
         if self.open is None:
@@ -230,8 +262,12 @@ class Driver:
         return checked
 
 
-def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
-    """24 requests in 3 prefix families under a pool that fits about 4 of them fully resident."""
+def default_scenario(seed: int = 0, quiet: bool = False, rebuild_every: int = 0, progress: bool = False) -> dict:
+    """24 requests in 3 prefix families under a pool that fits about 4 of them fully resident.
+
+    ``rebuild_every``: every that many steps the worker process dies and is rebuilt (alternately in a step's
+    forward and between steps, copies in flight either way); what it read before and after is checked.
+    ``progress``: a progress line on stderr (:class:`hisparse.tools.console.Progress`), for a run without a log."""
     layout = Layout(num_gpu_blocks=180, num_host_blocks=2400, block_size=16, max_model_len=1024, max_running=8,
                     hot_rows=128, row_bytes=64, layer_groups=(0, 0, 1))
     manager = ResidencyManager(
@@ -248,10 +284,15 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
     prefill_left: dict[int, int] = {}
     decode_left: dict[int, int] = {}
     steps = preemptions = checked = 0
+    rebuilt = {"rebuilds": 0, "copies_redone": 0, "restores_redone": 0, "tokens_redone": 0}
+    retired = {"hits": 0, "misses": 0, "h2d_bytes": 0}  # the counters of workers that died
     running_samples = []
     t0 = time.perf_counter()
     calm = True  # the last step needed no preemption: room to bring someone in
+    bar = console.Progress(progress)
+    bar.start("scenario")
     while waiting or running or preempted:
+        bar.update(1 - (len(waiting) + len(running) + len(preempted)) / 24, f"step {steps:4d}  running {len(running)}")
         free = manager.stats()["gpu_free"]
         if calm and preempted and free > 4 * layout.hot_blocks:
             # Preempted requests come back first, from the host, without recomputing their kept prefix.
@@ -313,14 +354,26 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
                 decoders.append(rid)
         if decoders:
             driver.decode_resolve(decoders)
+        if rebuild_every and steps % rebuild_every == 0:
+            retired = {k: v + driver.dp.counters[k] for k, v in retired.items()}
+            step = driver.rebuild_worker(mid_step=steps // rebuild_every % 2 == 1)
+            say(f"step {steps:4d}  rebuild worker: {len(step.plan.materialize)} copies and "
+                f"{len(step.plan.restores)} restores started again, {step.plan.num_tokens} tokens written again")
+            for key, n in (("rebuilds", 1), ("copies_redone", len(step.plan.materialize)),
+                           ("restores_redone", len(step.plan.restores)), ("tokens_redone", step.plan.num_tokens)):
+                rebuilt[key] += n
+            if decoders:
+                driver.decode_resolve(decoders)
         running_samples.append(len(running))
         for rid in [r for r in running if decode_left[r] == 0]:
             checked += driver.verify_all(rid)
             driver.finish(rid)
             running.remove(rid)
         manager.check_invariants()
+    bar.update(1.0, f"step {steps:4d}  running 0")
+    bar.close()
     driver.close()
-    counters = driver.dp.counters
+    counters = {k: v + driver.dp.counters[k] for k, v in retired.items()}
     return {
         "steps": steps,
         "requests": 24,
@@ -331,6 +384,7 @@ def default_scenario(seed: int = 0, quiet: bool = False) -> dict:
         "misses": counters["misses"],
         "h2d_bytes": counters["h2d_bytes"],
         "rows_verified": checked,
+        **(rebuilt if rebuild_every else {}),
         "no_data_lost": True,
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -340,12 +394,18 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("scenario", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=seed, default=0, help="seeds the prompts and the indexer stand-in (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the log")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="with --json: no progress on stderr (without --json the log shows it)")
+    p.add_argument("--rebuild-every", type=int_range(0, 10_000), default=0, metavar="STEPS",
+                   help="kill and rebuild the worker every STEPS steps (in a forward or between steps, copies in "
+                        "flight) and read everything back (default 0: never)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # small tensors: more threads only synchronize (see ``hisparse demo``)
-    result = default_scenario(seed=args.seed, quiet=args.json)
+    result = default_scenario(seed=args.seed, quiet=args.json, rebuild_every=args.rebuild_every,
+                              progress=args.json and args.progress)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -354,5 +414,8 @@ def main(args: argparse.Namespace) -> int:
     total = result["hits"] + result["misses"]
     print(f"hot-buffer hits {result['hits']}, misses {result['misses']} "
           f"(hit rate {result['hits'] / max(1, total):.1%}), {result['h2d_bytes']} bytes host -> GPU")
+    if args.rebuild_every:
+        print(f"{result['rebuilds']} worker rebuilds: {result['copies_redone']} copies and {result['restores_redone']} "
+              f"restores started again, {result['tokens_redone']} tokens written again")
     print(f"no data lost: yes ({result['rows_verified']} rows read back byte for byte)")
     return 0

@@ -30,6 +30,10 @@ from .engine import MODES, Engine, EngineConfig, RunResult
 from .model import ModelConfig, TinyDSA
 from .workload import make_workload
 
+#: The most query-key scores (:func:`indexer_scores`) a demo computes: 1e10 take about 8 minutes on one core of
+#: the machine the README's numbers come from (46 ns a score at 16K tokens), six times the default run's 1.7e9.
+MAX_INDEXER_SCORES = 1e10
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -106,8 +110,9 @@ def check_device(device: str) -> None:
 def estimate_memory(cfg: DemoConfig) -> tuple[int, int]:
     """(host bytes, device bytes) a demo run needs at its peak, from its largest parts: the pools (the reference
     run's GPU pool holds every request), each request's indexer keys and output digests (of one mode's run and
-    of the reference, which is kept), the cache of prefix keys, the prompts and the weights. An estimate: it
-    leaves out what does not grow with the flags (a step's activations, torch itself)."""
+    of the reference, which is kept), the cache of prefix keys, the prompts, the weights, and the indexer's
+    scores of a prefill chunk. An estimate: it leaves out what does not grow with the flags (torch itself, the
+    rest of a step's activations)."""
     m = cfg.model_config()
     groups = -(-m.layers // m.index_share)  # not m.num_groups: it lists every layer, 2**31 of them for a typo
     page = cfg.block_size * m.row_bytes * m.layers
@@ -118,8 +123,41 @@ def estimate_memory(cfg: DemoConfig) -> tuple[int, int]:
     prefix_keys = cfg.requests * ppr * cfg.block_size * 8 * groups * m.index_dim
     weights = 8 * m.layers * m.hidden * ((m.latent + m.rope) * (2 * m.heads + 1) + 2 * m.mlp)
     tokens = 24 * cfg.requests * cfg.max_len  # a tuple and a list slot per token, and the generated lists
-    device = gpu_pool + 2 * cfg.requests * per_request + prefix_keys + weights
+    # The indexer scores a prefill chunk against the whole history at once: float64 [chunk x heads, history] and
+    # their weighted sum [chunk, history], 2.4 GB for a 1,024-token chunk over 100,000 tokens of history.
+    scores = 8 * min(cfg.max_batched_tokens, cfg.max_len) * (m.index_heads + 1) * cfg.max_len
+    device = gpu_pool + 2 * cfg.requests * per_request + prefix_keys + weights + scores
     return host_pool + tokens, device
+
+
+def indexer_scores(cfg: DemoConfig, runs: int) -> float:
+    """About how many query-key scores ``runs`` runs of the workload compute: the indexer is exact, so every
+    position scores every earlier one, in every index group (a prefix hit saves some, a recomputation after a
+    preemption adds some). The work that grows with the square of the length: what bounds a long run."""
+    groups = -(-cfg.layers // cfg.index_share)
+    return float(runs) * cfg.requests * groups * cfg.max_len * (cfg.max_len + 1) / 2
+
+
+def check_work(cfg: DemoConfig, runs: int) -> None:
+    """Refuses a run of more than :data:`MAX_INDEXER_SCORES`, naming the longest prompt that fits."""
+    scores = indexer_scores(cfg, runs)
+    if scores <= MAX_INDEXER_SCORES:
+        return
+    per_length = scores / (cfg.max_len * (cfg.max_len + 1) / 2)
+    longest = math.isqrt(int(2 * MAX_INDEXER_SCORES / per_length))  # max_len * (max_len + 1) / 2 <= limit
+    while longest * (longest + 1) / 2 * per_length > MAX_INDEXER_SCORES:
+        longest -= 1
+    prompt = longest - cfg.new_tokens
+    fits = (f"--prompt-len {prompt:,} or less, or fewer --requests or --modes" if prompt > 0
+            else "fewer --requests, --modes, --new-tokens or --layers")
+    raise ConfigError(f"{cfg.requests:,} requests of {cfg.max_len:,} tokens, run {runs} times (the reference and "
+                      f"each mode), are about {_e(scores)} indexer scores, more than the demo's limit of "
+                      f"{_e(MAX_INDEXER_SCORES)} (minutes of one core; the exact indexer's work grows with the square "
+                      f"of the length): use {fits}")
+
+
+def _e(x: float) -> str:
+    return f"{x:.1e}".replace("e+", "e")
 
 
 def _probe(model: TinyDSA, cfg: DemoConfig, mode: str, blocks: int) -> str | None:
@@ -178,8 +216,9 @@ def _longest_request(cfg: DemoConfig) -> int:
     return 2**bits if bits else 0
 
 
-def check(cfg: DemoConfig) -> ModelConfig:
-    """What can be checked before the model is built: the flags together, the device, and memory."""
+def check(cfg: DemoConfig, modes: Sequence[str] = MODES) -> ModelConfig:
+    """What can be checked before the model is built: the flags together, the device, memory, and the work of
+    the reference run and one run per mode of ``modes``."""
     if not 0 < cfg.fit < float(U32_MAX):
         raise ConfigError(f"--fit must be a positive number of requests below 2**32, got {cfg.fit}")
     if not 0 <= cfg.shared_tokens <= cfg.prompt_len:
@@ -205,6 +244,7 @@ def check(cfg: DemoConfig) -> ModelConfig:
         if device > free:
             raise ConfigError(f"this run needs about {console.format_bytes(device)} of {cfg.device} memory ({what}), "
                               f"more than the {console.format_bytes(free)} free: {advice}")
+    check_work(cfg, 1 + len(modes))
     return model
 
 
@@ -216,7 +256,8 @@ def run_mode(model: TinyDSA, cfg: DemoConfig, mode: str, gpu_blocks: int, specs,
     engine = Engine(model, engine_config(cfg, mode, gpu_blocks))
 
     def note(e: Engine) -> str:
-        return f"{e.done:3d}/{cfg.requests} requests  step {e.step:5d}  running {len(e.running):3d}"
+        tokens = sum(r.computed for r in e.requests.values())
+        return f"{e.done:3d}/{cfg.requests} requests  step {e.step:5d}  running {len(e.running):3d}  tokens {tokens:,}"
 
     def tick(e: Engine) -> None:
         progress.update(e.done / cfg.requests, note(e))
@@ -259,13 +300,13 @@ def run_demo(cfg: DemoConfig, modes: Sequence[str] = MODES, progress: bool = Tru
     """Runs the reference, then each of ``modes``; everything that can fail on the configuration (flags, device,
     memory, each pool against one request) is checked before the first run. Raises :class:`ConfigError`."""
     t0 = time.perf_counter()
+    bar = console.Progress(progress)  # from the start: the checks below build engines too
     if not modes:
         raise ConfigError(f"no mode to run: give some of {', '.join(MODES)}")
-    model = TinyDSA(check(cfg), cfg.device)
+    model = TinyDSA(check(cfg, modes), cfg.device)
     unlimited = check_pools(model, cfg, modes)
     specs = make_workload(cfg.requests, cfg.prompt_len, cfg.new_tokens, cfg.families, cfg.shared_tokens,
                           cfg.arrival_gap, model.cfg.vocab, cfg.seed)
-    bar = console.Progress(progress)
     reference = run_mode(model, cfg, "resident", unlimited, specs, bar, "unlimited")
     page_bytes = cfg.block_size * model.cfg.row_bytes * model.cfg.layers
     rows = {"unlimited": summarize(reference, reference, page_bytes)}

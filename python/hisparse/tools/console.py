@@ -46,32 +46,42 @@ def format_bytes(n: float) -> str:
 
 
 class Progress:
-    """One progress line on stderr: redrawn in place on a terminal (at most 10 times a second), elsewhere one
-    line per quarter, so a log stays short. ``update(fraction, note)``; ``close()`` ends the line."""
+    """A run's progress on stderr. On a terminal: one line, redrawn in place at most 10 times a second. Elsewhere
+    (a log, a pipe): nothing while the run is younger than ``QUIET_S`` seconds, so a short run prints nothing;
+    after that a line at once, then at each ``start``, each quarter done and at least every ``EVERY_S`` seconds
+    while the run reports. ``update(fraction, note)``; ``close()`` ends the line."""
 
     WIDTH = 30
+    QUIET_S = 2.0
+    EVERY_S = 5.0
+    clock = staticmethod(time.perf_counter)  # tests make a run slow by replacing it
 
     def __init__(self, enabled: bool = True, stream: TextIO | None = None):
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.label = ""
-        self.t0 = self.last = time.perf_counter()
+        self.born = self.t0 = self.last = self.clock()
         self.quarter = -1
         self.open = False
 
     def start(self, label: str, note: str = "") -> None:
         self.close()
-        self.label, self.t0, self.quarter = label, time.perf_counter(), -1
+        self.label, self.t0, self.quarter = label, self.clock(), -1
         self.update(0.0, note, force=True)
 
     def update(self, fraction: float, note: str = "", force: bool = False) -> None:
         if not self.enabled:
             return
-        now = time.perf_counter()
+        now = self.clock()
         fraction = min(1.0, max(0.0, fraction))
         quarter = int(4 * fraction)
-        if not force and fraction < 1.0 and (now - self.last < 0.1 if self.tty else quarter == self.quarter):
+        if self.tty:
+            if not force and fraction < 1.0 and now - self.last < 0.1:
+                return
+        elif now - self.born < self.QUIET_S:
+            return
+        elif not force and quarter == self.quarter and now - self.last < self.EVERY_S:
             return
         self.last, self.quarter = now, quarter
         fill = int(self.WIDTH * fraction)

@@ -46,7 +46,9 @@ requests (preempted ones first, then arrivals, FCFS) while the budget lasts, the
 request was preempted since the last turn ended. A short plan preempts the newest running request (a
 request admitted in the same step and never run is simply put back, not counted as a preemption) until the
 plan fits. MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the
-probability that gives the measured mean accept length 3.48; the KV grows by the tokens emitted.
+probability that gives the measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool
+that cannot hold one prefill chunk (offload: one whole request) is refused before the run; a point in which no
+request computes a new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
 
 Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
   * Step = one decode step (26.2 ms: TPOT x accept length of GLM-5-FP8 MTP on 8xH200) + prefill FLOPs /
@@ -83,7 +85,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -96,6 +97,9 @@ from . import sim_constants as K
 from .argtypes import U32_MAX, int_range, plot_path, positive_float, positive_gib, positive_int, positive_int_list, seed
 
 GIB = 2**30
+#: Scheduler passes in a row in which no request computes a token it never had, after which a point is given up.
+#: The default points and the tests' have none; a node too small for the workload has them forever.
+NO_PROGRESS_PASSES = 50
 MODES = ("offload", "hisparse")
 TIER_POLICIES = ("coldest", "fifo")
 
@@ -254,6 +258,7 @@ def derive(cfg: SimConfig) -> Derived:
         gpu_blocks = int(kv_gib * GIB // gpu_block)
         if gpu_blocks > U32_MAX:
             raise ConfigError(f"{kv_gib:g} GiB of KV HBM is {gpu_blocks:,} blocks; the core counts at most {U32_MAX:,}")
+    _check_pool(cfg, gpu_blocks, gpu_block, kv_gib)
     host_page = gpu_block if cfg.mode == "offload" else mla_page
     if cfg.num_host_blocks is not None:
         host_gib, host_blocks = None, cfg.num_host_blocks
@@ -288,6 +293,33 @@ def derive(cfg: SimConfig) -> Derived:
     )
 
 
+def _blocks(cfg: SimConfig, tokens: int) -> int:
+    """GPU blocks that hold ``tokens`` at once: their pages and the null block the core keeps aside."""
+    return -(-tokens // cfg.block_tokens) + 1
+
+
+def _pool_advice(cfg: SimConfig, blocks: int, gpu_block_bytes: int) -> str:
+    """The flag value that gives a GPU pool of at least ``blocks`` blocks."""
+    if cfg.num_gpu_blocks is not None:
+        return f"num_gpu_blocks {blocks:,} or more"
+    return f"--kv-hbm-gib {math.ceil(100 * blocks * gpu_block_bytes / GIB) / 100:g} or more"
+
+
+def _check_pool(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, kv_gib: float | None) -> None:
+    """Refuses a GPU pool that can never run a step: the scheduler does not shrink a prefill chunk, and offload
+    keeps a request whole on the GPU (core policy ``resident``). With less, a point would loop without progress."""
+    tokens = min(cfg.max_batched_tokens, cfg.max_prompt())
+    what = f"a prefill chunk of {tokens:,} tokens"
+    if cfg.mode == "offload":
+        tokens = cfg.max_prompt() + cfg.output_tokens
+        what = f"offload keeps a request whole on the GPU: the last turn of {tokens:,} tokens"
+    need = _blocks(cfg, tokens)
+    if gpu_blocks < need:
+        pool = f"the pool has {gpu_blocks:,}" if kv_gib is None else f"{kv_gib:g} GiB of KV HBM holds {gpu_blocks:,}"
+        raise ConfigError(f"{what} needs {need - 1:,} GPU blocks of {gpu_block_bytes:,} B besides the null block, "
+                          f"and {pool}: use {_pool_advice(cfg, need, gpu_block_bytes)}")
+
+
 def adaptive_hot_rows(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, charge_tokens: int) -> int:
     """Hot rows chosen from admission pressure: the largest hot buffer (a multiple of the block size, within
     [top_k, 32,768]) that still lets every one of ``concurrency`` requests run at its steady-state footprint
@@ -312,7 +344,7 @@ class _Req:
     request would otherwise hold a list of ~1,200 of them (44 KB), 17 GB at a million conversations."""
 
     __slots__ = ("rid", "conv", "turn", "user", "prompt", "out", "arrival", "computed", "generated", "target",
-                 "in_prefill", "ready_t", "first_t", "last_t", "ran", "preempted")
+                 "in_prefill", "ready_t", "first_t", "last_t", "ran", "preempted", "reached")
 
     def __init__(self, rid: int, conv: int, turn: int, user: int, prompt: int, out: int, arrival: float):
         self.rid = rid
@@ -331,6 +363,7 @@ class _Req:
         self.last_t = 0.0
         self.ran = False
         self.preempted = False
+        self.reached = 0  # the most tokens it ever had computed: computing beyond is progress, redoing is not
 
 
 class Simulation:
@@ -392,6 +425,22 @@ class Simulation:
         x = int(round(self.rng.gauss(mean, math.sqrt(mean * (1 - p)))))
         return min(n, max(0, x))
 
+    def _no_progress(self, now: float, running: int, waiting: int, short: int, refused: CapacityError | None) -> str:
+        """Why a point stopped making progress, and what would let it."""
+        cfg, d = self.cfg, self.d
+        where = (f"no request computed a new token in {NO_PROGRESS_PASSES} scheduler passes up to t={now:.2f} s "
+                 f"({running} running, {waiting} waiting)")
+        if refused is not None and not short:
+            return f"{where}: the core admits nothing: {refused}"
+        if not short:
+            return f"{where}: {self.manager.capacity_log()}"
+        # Short plans end in preemptions that throw the step's work away, again and again. A pool that holds the
+        # longest request whole never needs a release to run it, whatever the copies to the host are doing.
+        whole = _blocks(cfg, cfg.max_prompt() + cfg.output_tokens)
+        return (f"{where}: the GPU KV pool of {d.num_gpu_blocks:,} blocks is too small for this workload (the last "
+                f"step lacked {short:,}); one that holds the longest request whole ({whole - 1:,} blocks besides the "
+                f"null block) needs no release to run it: use {_pool_advice(cfg, whole, d.gpu_block_bytes)}")
+
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
@@ -429,7 +478,11 @@ class Simulation:
         max_running = 0
         mixed_area = 0.0
         gated = False
-        stalls = 0
+        # Scheduler passes since a request last computed a token it never had: passes without a step and steps
+        # that only redo what a preemption threw away are not progress.
+        idle = 0
+        short = 0  # GPU blocks the last refused step plan lacked
+        refused: CapacityError | None = None  # the last admission the core refused
         arrivals_open = True
         last_progress = -1.0
         stats = m.stats()
@@ -445,13 +498,20 @@ class Simulation:
                 break
             if self.progress is not None and now - last_progress >= 5.0:
                 last_progress = now
-                self.progress(min(1.0, now / cfg.duration_s))
+                part = max(now / cfg.duration_s, steps / cfg.max_steps if cfg.max_steps else 0.0)
+                self.progress(min(1.0, part))
             # Copies to the host that have ended by now.
             if copies and copies[0][0] <= now:
                 done: list[int] = []
                 while copies and copies[0][0] <= now:
                     done += copies.popleft()[1]
                 m.complete(done, ok=True)
+            # Passes without progress are few (a wait for restores or copies, a preemption that empties the step,
+            # recomputing what it lost) unless the node is too small for the workload: then they repeat forever,
+            # with the clock stopped (no step fits) or running (each step is lost to the next preemption).
+            idle += 1
+            if idle > NO_PROGRESS_PASSES:
+                raise CapacityError(self._no_progress(now, len(running), len(waiting), short, refused))
             # Schedule: running requests first (vLLM V1), in admission order.
             budget = cfg.max_batched_tokens
             sched: list[tuple[_Req, int]] = []
@@ -475,7 +535,8 @@ class Simulation:
                         a = m.resume(r.rid)
                     else:
                         a = m.admit(r.rid, r.prompt, self._hashes(r.conv, r.prompt + r.out), r.prompt + r.out)
-                except CapacityError:
+                except CapacityError as exc:
+                    refused = exc
                     break
                 waiting.popleft()
                 running.append(r)
@@ -512,20 +573,13 @@ class Simulation:
                     pending.append(copies[0][0])
                 if pending:
                     now = min(pending)
-                    gated = False
-                    continue
-                stalls += 1
                 gated = False
-                if stalls > 3:  # the node cannot back one more step of anyone: a configuration too small
-                    raise CapacityError(
-                        f"simulation stalled at t={now:.2f}s: {len(running)} running, {len(waiting)} waiting; "
-                        f"{m.capacity_log()}")
                 continue
-            stalls = 0
             if cfg.check_every and steps % cfg.check_every == 0:
                 m.check_invariants()
             plan = m.plan_step([(r.rid, n) for r, n in sched])
             while not plan.ok:
+                short = plan.missing_blocks
                 # vLLM: preempt the newest running request until the step fits; one admitted this step that
                 # never ran is just put back.
                 victim = running.pop()
@@ -610,6 +664,10 @@ class Simulation:
             for r, n in sched:
                 r.computed += n
                 r.ran = True
+                if r.computed > r.reached:
+                    r.reached = r.computed
+                    idle = short = 0
+                    refused = None
                 if r.in_prefill:
                     if r.computed < r.target:
                         continue
@@ -847,7 +905,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="PNG", type=plot_path, default=None,
                    help="draw running requests over time per mode (.png, .pdf or .svg; the folder must exist)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar on stderr (it is shown when stderr is a terminal)")
+                   help="no progress on stderr (a bar on a terminal; elsewhere a line every few seconds once a run "
+                        "has lasted two)")
     p.set_defaults(func=main)
 
 
@@ -914,8 +973,7 @@ def main(args: argparse.Namespace) -> int:
     for cfg in configs:
         Simulation(cfg)
     t0 = time.monotonic()
-    show = args.progress and sys.stderr.isatty()
-    result = simulate(configs, progress=show)
+    result = simulate(configs, progress=args.progress)
     wall = time.monotonic() - t0
     if args.plot:
         plot(result["points"], args.plot)
