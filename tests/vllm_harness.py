@@ -25,6 +25,9 @@ What is faked, because it needs CUDA (each is the smallest stand-in, and none of
   filled from the host pool at vLLM's host block ids. Rows are 16 bytes instead of 656 to keep memory small;
   block ids, slots and row indices are vLLM's, unchanged. A slab part stands for a layer's share of a block:
   all device groups share one slab, so two groups holding one block would overwrite each other's rows.
+- A worker that dies and is replaced (:meth:`FakeWorker.rebuild`, as vLLM starts a new worker process):
+  the new one starts from nothing (zeroed slab and host pool, empty tables, nothing in flight), and the dead
+  one's late report can be delivered with a later step's output (:meth:`FakeWorker.late_report`).
 - Selection heat: the fake counts and ranks it with the plugin's own worker code (``SelectionHeat``, built
   by ``connector.build_selection_heat`` from the same config), called where the GPU worker calls it: before
   the forward, after each counted index group's resolve, and after the forward.
@@ -269,6 +272,9 @@ class Stats:
     # The gauge while some request waits: how many requests the pool keeps running under pressure.
     pressure_samples: list[int] = field(default_factory=list)
     preemptions: int = 0
+    # FakeWorker.rebuild: how many times the worker was rebuilt, and the transfers the dead ones had in flight.
+    rebuilds: int = 0
+    transfers_lost: int = 0
     prefix_hit_tokens: int = 0
     host_only_prefix_admissions: int = 0
     trace: list = field(default_factory=list)
@@ -281,6 +287,11 @@ class FakeWorker:
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
                  record: bool = False, data: bool = True, completion_lag: int = 0):
+        # What rebuild() starts the new worker process with: only its arguments (vLLM's config).
+        self._args = {"reads": reads, "layers": layers, "tp": tp, "record": record, "data": data,
+                      "completion_lag": completion_lag}
+        # A late message from a worker that died (rebuild): merged into the next step's output.
+        self._late = None
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
@@ -378,6 +389,47 @@ class FakeWorker:
         if req is not None:
             self.free_rows.append(req.row)
 
+    # ------------------------------------------------------------------ a worker that dies and comes back
+
+    def rebuild(self) -> FakeWorker:
+        """The worker process dies and vLLM starts a new one: ``self`` becomes that new worker, built from
+        the same arguments (a zeroed slab and host pool, empty residency tables, hot regions, state rows and
+        heat, no transfers or host copies in flight: nothing carried over but the test's ``Stats``). Returns
+        the dead worker (its last state) for :meth:`late_report`. The scheduler must be told (vLLM's
+        ``Scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)``): what it
+        believes the worker holds is gone."""
+        dead = object.__new__(FakeWorker)
+        dead.__dict__ = dict(self.__dict__)
+        stats = self.stats
+        self.__init__(self.setup, **self._args)
+        self.stats = stats
+        stats.rebuilds += 1
+        stats.transfers_lost += dead.in_flight()
+        return dead
+
+    def in_flight(self) -> int:
+        """Transfers this worker enqueued or was asked for whose completion it has not reported."""
+        return len(self._enqueued) + len(self._post_forward) + sum(map(len, self._completing))
+
+    def late_report(self):
+        """What a late message from this (dead) worker would say: every transfer it had in flight enqueued
+        and completed, and the host copies it ran and had not reported; vLLM's worker metadata."""
+        ids = [*self._enqueued, *(t.transfer_id for t in self._post_forward), *(t for c in self._completing
+                                                                              for t in c)]
+        args = ({t: 1 for t in ids}, {t: 1 for t in ids}, tuple(self._completed_host_copies))
+        if self.mode == "hisparse":
+            from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
+
+            return HisparseWorkerMetadata(*args)
+        from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorWorkerMetadata
+
+        return HiSparseConnectorWorkerMetadata(*args)
+
+    def deliver_late(self, meta) -> None:
+        """Send ``meta`` (a dead worker's :meth:`late_report`) with this worker's next output, as a message
+        that arrives late rides a later step's aggregated output."""
+        self._late = meta
+
     # ------------------------------------------------------------------ one step
 
     def execute(self, so) -> object:
@@ -424,6 +476,9 @@ class FakeWorker:
                                 sampled_token_ids=list(sampled.values()))
         if self.mode != "plain":
             worker_meta = self._worker_meta()
+            if self._late is not None:
+                worker_meta = self._late if worker_meta is None else worker_meta.aggregate(self._late)
+                self._late = None
             out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=worker_meta)
         return pickle.loads(pickle.dumps(out))
 

@@ -201,6 +201,16 @@ class HiSparseConnector(VllmHiSparseConnector):
         coordinator.requests = self.connector_scheduler.requests
         self.connector_scheduler.bind_coordinator(coordinator)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: what the workers held is forgotten (host prefixes,
+        transfers and host copies in flight, per-request host state: ``forget_worker_state``), which the pool
+        reset has normally done already. False (vLLM then reports the reset failed) while a request still holds
+        blocks. A new worker needs nothing re-sent: every request comes back preempted, so vLLM sends its
+        block table, and the coordinator its residency row, hot region and host copies, from scratch."""
+        if self.coordinator is None:
+            return None
+        return self.coordinator.forget_worker_state()
+
     @property
     def coordinator(self):
         return self.connector_scheduler.coordinator if self.connector_scheduler is not None else None

@@ -30,6 +30,11 @@ the decisions that are policy (package docstring):
                       last.
 
 ``fifo`` overrides nothing: every decision is vLLM's, which is what the parity test checks step by step.
+
+Not policy, and under either: ``forget_worker_state`` (run before vLLM's pool reset and by the connector's
+``reset_cache``) lets ``Scheduler.reset_prefix_cache(reset_running_requests=True, ...)`` succeed with
+transfers in flight, vLLM's recovery when a worker died and was replaced (vLLM's own coordinator keeps their
+pins until a dead worker reports them, so the reset raises).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class HisparseCoordinator(HiSparseCoordinator):
         self._reads_host_hint: str | None = None
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
         self.requests: dict = {}
+        # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
+        self._forgotten_below = 0
         self._admission_pages = min((m.max_admission_blocks_per_request for m in self.resident_managers),
                                     default=0)
 
@@ -392,6 +399,99 @@ class HisparseCoordinator(HiSparseCoordinator):
         self._reads_host.discard(request_id)
         self.order.forget(request_id)
 
+    # ------------------------------------------------------------------ a reset: what the workers held is gone
+
+    def forget_worker_state(self) -> bool:
+        """Forgets everything the workers were asked to hold or do, for a reset of vLLM's prefix cache
+        (``Scheduler.reset_prefix_cache``, vLLM's recovery when the KV its workers hold is gone: a worker
+        process that died and was replaced has lost its GPU cache, its pinned host pool, its residency tables
+        and hot buffers, and the transfers and host copies it had in flight, which will never be reported).
+        vLLM's coordinator keeps those transfers' and copies' pins until a worker reports them, so vLLM's pools
+        never count as free and the reset fails (``RuntimeError`` when running requests were preempted for
+        it). Here their pins are given back, detached host publications waiting on them are dropped unpublished,
+        and the GPU copies indexed for host prefix hits are forgotten: vLLM's reset then clears both pools'
+        hashes, so no host prefix and no GPU page the old worker held is read again; every request computes
+        its KV anew. Transfer ids are not reused (``next_spill_id`` goes on), so a late report of a dropped
+        transfer names no transfer and is ignored (counted in ``late_transfer_reports``). On a live worker
+        (a reset after a weight update), the dropped transfers were submitted in earlier steps, which vLLM's
+        worker orders before the next steps' host writes (``host_write_event``).
+
+        Only once every block in use is held by these pins alone (every running request preempted or finished,
+        and no block free deferred behind a step in flight): otherwise vLLM's reset fails anyway, and nothing
+        changes here; returns whether it forgot (True also when there was nothing to forget)."""
+        if self.host_manager is None or any(manager.req_to_blocks for manager in self.managers):
+            return False
+        host_pool = self.host_manager.block_pool
+        gpu_pins: Counter[int] = Counter()
+        host_pins: Counter[int] = Counter()
+        detached = {}  # a finished request's publication, shared by its transfers: leased once
+        for pending in self.pending_spills.values():
+            if not pending.enqueue_applied:
+                gpu_pins.update(block.block_id for block in pending.resident_blocks)
+            host_pins[pending.host_block.block_id] += 1
+            publication = pending.request_state.publication
+            if publication is not None and publication.detached_blocks is not None:
+                detached[id(publication)] = publication.detached_blocks
+        for blocks in detached.values():
+            host_pins.update(block.block_id for block in blocks)
+        for source, copy in self._retained_copies.values():
+            host_pins.update((source.block_id, copy.block_id))
+        for pool, pins in ((self.gpu_pool, gpu_pins), (host_pool, host_pins)):
+            if pool is not None and any(block.ref_cnt != pins[block.block_id] for block in pool.blocks
+                                        if block.ref_cnt and not block.is_null):
+                return False
+        for pending in self.pending_spills.values():
+            if not pending.enqueue_applied:
+                for manager, block in zip(self.resident_managers, pending.resident_blocks, strict=True):
+                    manager.block_pool.free_blocks([block])
+            host_pool.free_blocks([pending.host_block])
+            state = pending.request_state
+            state.pending_pages.pop(pending.page[1], None)
+            publication = state.publication
+            if publication is not None and publication.detached_blocks is not None:
+                # A finished request's prefix waiting on these copies: its lease is given back unpublished.
+                host_pool.free_blocks(reversed(publication.detached_blocks))
+                state.publication = None
+        for source, copy in self._retained_copies.values():
+            host_pool.free_blocks([copy, source])
+        self.counters["transfers_dropped"] += len(self.pending_spills)
+        self.counters["host_copies_dropped"] += len(self._retained_copies)
+        self._forgotten_below = self.next_spill_id
+        self.pending_spills.clear()
+        self.spills_to_send = []
+        self._retained_copies.clear()
+        self._pending_imports.clear()
+        self.copies.clear()
+        self._copy_by_block.clear()
+        self._owners.clear()
+        self.request_states.clear()
+        self._resident_requests.clear()
+        self._reads_host.clear()
+        self._reads_host_hint = None
+        return True
+
+    def update_spills(self, enqueued_counts, completed_counts) -> None:
+        # vLLM's ignores ids it does not track; those forget_worker_state dropped are counted.
+        if self._forgotten_below:
+            self.counters["late_transfer_reports"] += sum(
+                1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
+                if transfer_id < self._forgotten_below and transfer_id not in self.pending_spills)
+        super().update_spills(enqueued_counts, completed_counts)
+
+    def reset_before_pools(self, kv_cache_manager: KVCacheManager) -> None:
+        """Makes vLLM's pool reset (``KVCacheCoordinator.reset_prefix_cache``, which ``reset_prefix_cache``
+        runs after preempting and before the connector's ``reset_cache``) call :meth:`forget_worker_state`
+        first: by the time vLLM asks the connector, the pins of transfers in flight have already made the
+        pools' reset fail. Only this instance's method changes."""
+        pools = kv_cache_manager.coordinator
+        reset_pools = pools.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            self.forget_worker_state()
+            return reset_pools()
+
+        pools.reset_prefix_cache = reset_prefix_cache
+
 
 def build_coordinator(kv_cache_manager: KVCacheManager, policy: str) -> HisparseCoordinator:
     """What ``get_hisparse_coordinator`` (``v1/hisparse/coordinator.py:900``) builds, with our class."""
@@ -411,4 +511,5 @@ def build_coordinator(kv_cache_manager: KVCacheManager, policy: str) -> Hisparse
     )
     if coordinator.host_manager is None:
         raise ConfigError("no HiSparse cache group is configured: is the model a DSA model with index_topk?")
+    coordinator.reset_before_pools(kv_cache_manager)
     return coordinator
