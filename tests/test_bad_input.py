@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, StepPlan, _core
+from hisparse.heat import HeatOptions
 from hisparse.hooks import StepGapError, StepResults, WorkerStep
 from hisparse.scenario import Driver
 
@@ -284,10 +285,12 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("a list", lambda: worker.gather([[0]], 0)),
     ]:
         add("WorkerHooks.gather", what, call)
-    for what, kwargs in [("interval 0", dict(heat_interval=0)), ("interval 1.5", dict(heat_interval=1.5)),
-                         ("coldest -1", dict(heat_coldest=-1)), ("hottest True", dict(heat_hottest=True)),
-                         ("coldest 2**24", dict(heat_coldest=2**24))]:
-        add("WorkerHooks()", what, lambda kwargs=kwargs: type(worker)(dp, **kwargs))
+    for what, kwargs in [("interval 0", dict(interval=0)), ("interval 1.5", dict(interval=1.5)),
+                         ("coldest -1", dict(coldest=-1)), ("hottest True", dict(hottest=True)),
+                         ("coldest 2**24", dict(coldest=2**24)), ("layer_stride 0", dict(layer_stride=0))]:
+        add("HeatOptions()", what, lambda kwargs=kwargs: HeatOptions(**kwargs))
+    for bad in [{"interval": 4}, 4, "heat"]:
+        add("WorkerHooks()", f"heat={bad!r}", lambda bad=bad: type(worker)(dp, heat=bad))
     add("WorkerHooks()", "not a DataPath", lambda: type(worker)(None))
 
     # ------------------------------------------------------------ DataPath

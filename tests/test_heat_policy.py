@@ -3,6 +3,7 @@
 import torch
 
 from hisparse import Layout, _core
+from hisparse.heat import HeatOptions
 from hisparse.hooks import SchedulerHooks, WorkerHooks
 
 BS, TOP_K = 16, 16
@@ -14,7 +15,7 @@ def build(num_gpu_blocks, heat_interval, heat_coldest):
     sched = SchedulerHooks(num_gpu_blocks=num_gpu_blocks, num_host_blocks=400, block_size=BS, max_model_len=1024,
                            max_running=4, top_k=TOP_K, hot_rows=32, page_bytes=lay.page_bytes, watermark=2,
                            policy="coldest")
-    worker = WorkerHooks.build(lay, heat_interval=heat_interval, heat_coldest=heat_coldest)
+    worker = WorkerHooks.build(lay, heat=HeatOptions(interval=heat_interval, coldest=heat_coldest))
     return sched, worker
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError, _core
+from hisparse.heat import HeatOptions
 from hisparse.hooks import CallOrderError, SchedulerHooks, StepResults, WorkerHooks, WorkerStep
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=200, block_size=8, max_model_len=256, max_running=4,
@@ -18,7 +19,7 @@ def pair(layout=LAYOUT, heat_interval=32, **kw):
                            block_size=layout.block_size, max_model_len=layout.max_model_len,
                            max_running=layout.max_running, top_k=16, hot_rows=layout.hot_rows,
                            num_index_groups=layout.num_groups, page_bytes=layout.page_bytes, **kw)
-    return sched, WorkerHooks.build(layout, heat_interval=heat_interval)
+    return sched, WorkerHooks.build(layout, heat=HeatOptions(interval=heat_interval))
 
 
 def content(rid: str, positions: torch.Tensor, layer: int) -> torch.Tensor:
@@ -216,7 +217,7 @@ def test_what_crosses_between_the_halves_pickles():
 
 def test_heat_summaries_come_every_interval_and_the_counts_halve():
     sched, worker = pair(heat_interval=3)
-    worker.heat_coldest, worker.heat_hottest = 3, 2
+    worker.heat = HeatOptions(interval=3, coldest=3, hottest=2)
     sched.admit("a", 64)
     heats = []
     for n in (64, 1, 1, 1, 1, 1):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hisparse import Layout
+from hisparse.heat import HeatOptions
 from hisparse.hooks import SchedulerHooks, WorkerHooks
 
 pytestmark = [
@@ -30,7 +31,7 @@ def hooks(device: str) -> tuple[SchedulerHooks, WorkerHooks]:
                            block_size=LAYOUT.block_size, max_model_len=LAYOUT.max_model_len,
                            max_running=LAYOUT.max_running, top_k=16, hot_rows=LAYOUT.hot_rows,
                            num_index_groups=LAYOUT.num_groups, page_bytes=LAYOUT.page_bytes)
-    return sched, WorkerHooks.build(LAYOUT, device, heat_interval=4)
+    return sched, WorkerHooks.build(LAYOUT, device, heat=HeatOptions(interval=4))
 
 
 def run(device: str, sync_free: bool) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hisparse import _core
+from hisparse.heat import HeatOptions
 from hisparse.integrations.vllm.heat import SelectionHeat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -23,8 +24,9 @@ def _pair(**options):
     """The same SelectionHeat on the CPU and on the device."""
     gen = torch.Generator().manual_seed(1)
     residency = (torch.rand(ROWS, PAGES, generator=gen) < 0.8).to(torch.int32)
-    opts = {"tail_pages": 2, "interval": 4, "coldest": 16, "hottest": 8, **options}
-    return SelectionHeat(residency, BLOCK, **opts), SelectionHeat(residency.cuda(), BLOCK, **opts)
+    heat = HeatOptions(**{"interval": 4, "coldest": 16, "hottest": 8, **options})
+    return (SelectionHeat(residency, BLOCK, tail_pages=2, options=heat),
+            SelectionHeat(residency.cuda(), BLOCK, tail_pages=2, options=heat))
 
 
 def _inputs(step: int, tokens: int = 12):

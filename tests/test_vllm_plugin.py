@@ -81,11 +81,12 @@ def test_pool_policy_takes_the_cores_heat_summary():
 
 
 def _selection_heat(rows: int = 4, pages: int = 12, **options):
+    from hisparse.heat import HeatOptions
     from hisparse.integrations.vllm.heat import SelectionHeat
 
     residency = torch.ones(rows, pages, dtype=torch.int32)
-    options = {"tail_pages": 2, "interval": 1, "coldest": 3, "hottest": 2, **options}
-    return SelectionHeat(residency, 64, **options), residency
+    heat = HeatOptions(**{"interval": 1, "coldest": 3, "hottest": 2, **options})
+    return SelectionHeat(residency, 64, tail_pages=2, options=heat), residency
 
 
 def _update(pages):
@@ -184,7 +185,7 @@ def test_worker_metadata_keeps_a_report_that_only_one_rank_has_this_step(monkeyp
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from hisparse.datapath import HeatSummaryInFlight
+    from hisparse.heat import HeatSummaryInFlight
 
     copying = {"rank": None}  # the rank whose summaries have not reached the host yet
     ready = HeatSummaryInFlight.ready
@@ -245,13 +246,14 @@ def test_heat_options_are_checked_where_the_config_is_read():
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
+    from hisparse.heat import HeatOptions
     from hisparse.integrations.vllm.connector import heat_options
 
     def config(**extra):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
 
-    assert heat_options(config()) == {"interval": 32, "coldest": 128, "hottest": 32, "layer_stride": 8}
-    assert heat_options(config(heat_layer_stride=1))["layer_stride"] == 1
+    assert heat_options(config()) == HeatOptions(interval=32, coldest=128, hottest=32, layer_stride=8)
+    assert heat_options(config(heat_layer_stride=1)).layer_stride == 1
     with pytest.raises(ConfigError, match="heat_interval must be an integer in 1"):
         heat_options(config(heat_interval=0))
     with pytest.raises(ConfigError, match="heat_coldest"):

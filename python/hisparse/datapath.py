@@ -22,6 +22,7 @@ import torch
 
 from . import _core
 from .errors import ConfigError, InvalidArgumentError
+from .heat import HeatOptions, HeatSummaryInFlight, heat_ranks, rank_heat
 
 #: The resolver's state (cuda/SPEC.md), in the order ``resolve`` takes it.
 RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_lru", "heat", "status",
@@ -265,77 +266,6 @@ class _State(dict):
     def update(self, *args, **kwargs) -> None:
         self.version += 1
         super().update(*args, **kwargs)
-
-
-def heat_ranks(pages: int, coldest: int, hottest: int) -> tuple[int, int]:
-    """How many coldest and hottest keys :func:`rank_heat` returns per row of ``pages`` pages."""
-    return min(coldest, pages), min(hottest, pages)
-
-
-def rank_heat(heat: torch.Tensor, eligible: torch.Tensor, coldest: int, hottest: int) -> tuple[torch.Tensor, ...]:
-    """The ranking of ``heat_summary`` over plain tensors, on whatever device they live (no host sync).
-
-    ``heat`` int32 ``[R, P]``, ``eligible`` bool ``[R, P]`` (the pages a row may rank). Returns
-    ``(cold_keys, cold_counts, hot_keys, hot_counts)`` as ``heat::from_ranked_keys`` takes them: keys
-    ``heat * P + page`` (negative heat reads as 0), the coldest ascending, the hottest descending, each
-    ``[R, min(k, P)]``, and how many of each row's keys are eligible. The hottest that are also among the
-    coldest are dropped when the keys are encoded. ``DataPath`` ranks its state with it, and vLLM's worker
-    (``integrations.vllm.heat``) its selection counts."""
-    p = heat.shape[1]
-    pages = torch.arange(p, device=heat.device)
-    # (heat, page) packed into one key, so that ranking by key ranks by heat then page; ineligible pages
-    # rank past either end.
-    key = heat.clamp(min=0).to(torch.int64) * p + pages[None, :]
-    kc, kh = heat_ranks(p, coldest, hottest)
-    cold = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).max), kc, dim=1, largest=False).values
-    hot = torch.topk(torch.where(eligible, key, torch.iinfo(torch.int64).min), kh, dim=1).values
-    n = eligible.sum(dim=1)
-    return cold, n.clamp(max=kc), hot, n.clamp(max=kh)
-
-
-class HeatSummaryInFlight:
-    """A heat summary on its way to the host: ``ready()`` says whether ``take()`` would not wait."""
-
-    def __init__(self, encoded: bytes | None = None):
-        self._encoded = encoded
-        self._host: tuple[torch.Tensor, ...] = ()
-        self._event = None
-        self._shape = (0, 0, 0)
-
-    @classmethod
-    def copy_back(cls, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int, int]) -> HeatSummaryInFlight:
-        """Copies the ranked keys and counts (coldest, hottest), row requests and row lengths to pinned memory
-        without waiting; ``shape`` is (pages, coldest, hottest)."""
-        out = cls()
-        device = tensors[0].device
-        pin = device.type == "cuda"
-        out._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
-        if not pin:
-            for host, t in zip(out._host, tensors, strict=True):
-                host.copy_(t)
-        else:
-            # On the tensors' device (the current device may be another): the copies and their event on its
-            # current stream, after the ranking.
-            with torch.cuda.device(device):
-                for host, t in zip(out._host, tensors, strict=True):
-                    host.copy_(t, non_blocking=True)
-                out._event = torch.cuda.Event()
-                out._event.record(torch.cuda.current_stream(device))
-        out._shape = shape
-        return out
-
-    def ready(self) -> bool:
-        return self._encoded is not None or self._event is None or self._event.query()
-
-    def take(self) -> bytes:
-        if self._encoded is None:
-            if self._event is not None:
-                self._event.synchronize()
-            names = ("cold_keys", "cold_counts", "hot_keys", "hot_counts", "row_request", "seq_lens")
-            bufs = [_buf(t, name, t.dtype) for t, name in zip(self._host, names, strict=True)]
-            self._encoded = _core._encode_heat_summary(bufs, *self._shape)
-            self._host = ()
-        return self._encoded
 
 
 class _PlanSections:
@@ -666,14 +596,15 @@ class DataPath:
         lay = self.layout
         return torch.arange(lay.hot_rows, dtype=torch.int32, device=self.device).expand(n, lay.num_groups, -1)
 
-    def heat_summary(self, coldest: int = 128, hottest: int = 32) -> bytes:
+    def heat_summary(self, coldest: int = HeatOptions.coldest, hottest: int = HeatOptions.hottest) -> bytes:
         """The ``coldest`` coldest and the ``hottest`` hottest releasable pages of every running row, encoded for
         :meth:`ResidencyManager.apply_results`; then every count of those rows is halved (``heat.rs`` gives the
         decay rule). One pass over the heat table; nothing per page in Python. On a device this waits for the
         ranking; :meth:`start_heat_summary` does not."""
         return self.start_heat_summary(coldest, hottest).take()
 
-    def start_heat_summary(self, coldest: int = 128, hottest: int = 32) -> HeatSummaryInFlight:
+    def start_heat_summary(self, coldest: int = HeatOptions.coldest,
+                           hottest: int = HeatOptions.hottest) -> HeatSummaryInFlight:
         """Starts a heat summary (and the decay): on CPU it is done at once; on a device the ranking is queued
         on the current stream and copied back to pinned memory, ready once its event has passed."""
         for name, value in (("coldest", coldest), ("hottest", hottest)):
@@ -687,7 +618,7 @@ class DataPath:
             return HeatSummaryInFlight(_core._ref_heat_summary(bufs, lay.max_pages, lay.block_size, coldest, hottest))
         return self._rank_heat_torch(coldest, hottest)
 
-    def _heat_summary_torch(self, coldest: int = 128, hottest: int = 32) -> bytes:
+    def _heat_summary_torch(self, coldest: int = HeatOptions.coldest, hottest: int = HeatOptions.hottest) -> bytes:
         """The device path of ``heat_summary``, waiting for it (tests run it on CPU tensors)."""
         return self._rank_heat_torch(coldest, hottest).take()
 

@@ -26,7 +26,7 @@ One step::
                                                       resolve(topk, rows, group)   first layer of a group
                                                       gather(row_ids, l)           dense top-K rows
                                                     results = end_step()  after the forward: the copies that
-                                                                          ended, every heat_interval steps a
+                                                                          ended, every heat interval a
                                                                           heat summary, resolver counters
                                ◀──── results ─────
     apply_results(results)     one atomic core call: copies ended or failed, the heat summary
@@ -34,8 +34,8 @@ One step::
 
 Per step each half makes one call into the core and does no per-request or per-page work in Python (the
 engine's own loops aside). Selection heat stays on the worker (the resolver counts it on the device); every
-``heat_interval`` steps the worker sends the coldest releasable pages of each request and halves the counts
-(``rust/core/src/heat.rs`` gives the decay rule).
+``HeatOptions.interval`` steps the worker sends the coldest releasable pages of each request and halves the
+counts (``rust/core/src/heat.rs`` gives the decay rule).
 
 The order is enforced; a call out of order raises :class:`CallOrderError` and changes nothing:
 
@@ -63,8 +63,9 @@ from typing import Any
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, HeatSummaryInFlight, Layout, _bounded_list, _to_device
+from .datapath import DataPath, Layout, _bounded_list, _to_device
 from .errors import InvalidArgumentError, UnknownRequestError
+from .heat import HeatOptions, HeatSummaryInFlight
 
 __all__ = [
     "CallOrderError",
@@ -200,9 +201,9 @@ class StepResults:
     #: in flight is reported by a later step's results.
     completed: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
-    #: A heat summary (``DataPath.heat_summary``), every ``heat_interval`` steps; None in between.
+    #: A heat summary (``DataPath.heat_summary``), every ``HeatOptions.interval`` steps; None in between.
     heat: bytes | None = None
-    #: Resolver counters since the last results that carried them (every ``heat_interval`` steps, with the heat:
+    #: Resolver counters since the last results that carried them (with each heat summary:
     #: metrics need no more, and reading them every step would cost more than the rest of ``end_step``).
     hits: int = 0
     misses: int = 0
@@ -475,22 +476,18 @@ class WorkerHooks:
     """The worker half: the KV slab and host pool, the step plan before the forward, ``resolve`` and
     ``gather`` during attention, and the step's results after it.
 
-    ``heat_interval``: steps between heat summaries (and halvings of the counts; the first ones come sooner,
-    at steps 1, 2, 4, ...); ``heat_coldest`` / ``heat_hottest``: the coldest and hottest releasable pages each
-    summary reports per request (the policy releases the coldest first and the hottest last).
+    ``heat``: when heat summaries go out and what they rank (:class:`~hisparse.heat.HeatOptions`; its
+    ``layer_stride`` is vLLM's: here the resolver counts every group).
     """
 
-    def __init__(self, datapath: DataPath, *, heat_interval: int = 32, heat_coldest: int = 128,
-                 heat_hottest: int = 32):
+    def __init__(self, datapath: DataPath, *, heat: HeatOptions | None = None):
         if not isinstance(datapath, DataPath):
             raise InvalidArgumentError(f"datapath must be a DataPath, not {type(datapath).__name__}")
-        for name, value, low in (("heat_interval", heat_interval, 1), ("heat_coldest", heat_coldest, 0),
-                                 ("heat_hottest", heat_hottest, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**24:
-                raise InvalidArgumentError(f"{name} must be an integer in {low}..2**24, not {value!r}")
+        if heat is not None and not isinstance(heat, HeatOptions):
+            raise InvalidArgumentError(f"heat must be HeatOptions, not {type(heat).__name__}")
         self.dp = datapath
         self._cuda = datapath.device.type == "cuda"
-        self.heat_interval, self.heat_coldest, self.heat_hottest = heat_interval, heat_coldest, heat_hottest
+        self.heat = heat if heat is not None else HeatOptions()
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
         self._in_flight: list[_InFlight] = []
@@ -498,19 +495,20 @@ class WorkerHooks:
         self._counters = _LaggedCounters(datapath.device)
 
     @classmethod
-    def build(cls, layout: Layout, device: str | torch.device = "cpu", **options: Any) -> WorkerHooks:
+    def build(cls, layout: Layout, device: str | torch.device = "cpu", *,
+              heat: HeatOptions | None = None) -> WorkerHooks:
         """A worker with a fresh data path (slab on ``device``, host pool pinned when that is CUDA)."""
-        return cls(DataPath(layout, device), **options)
+        return cls(DataPath(layout, device), heat=heat)
 
     @classmethod
-    def register(cls, layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: torch.Tensor,
-                 **options: Any) -> WorkerHooks:
+    def register(cls, layout: Layout, gpu: torch.Tensor | Sequence[torch.Tensor], host: torch.Tensor, *,
+                 heat: HeatOptions | None = None) -> WorkerHooks:
         """A worker over an engine's own tensors. ``gpu``: the KV slab, one uint8 tensor [layers, num_gpu_blocks
         * bs, row_bytes], or one contiguous [num_gpu_blocks * bs, row_bytes] uint8 tensor per layer (engines
         that allocate each layer's cache apart); a block id addresses the same rows in every layer. ``host``:
         the host pool [layers, num_host_blocks * bs, row_bytes] uint8 in CPU memory (pinned when the slab is on
         CUDA)."""
-        return cls(DataPath(layout, gpu=gpu, host=host), **options)
+        return cls(DataPath(layout, gpu=gpu, host=host), heat=heat)
 
     @property
     def layout(self) -> Layout:
@@ -681,14 +679,12 @@ class WorkerHooks:
     def end_step(self, *, flush: bool = False) -> StepResults:
         """Ends the step after the forward and returns the results for :meth:`SchedulerHooks.apply_results`:
         the host copies that are done (on CUDA, those whose event has passed; the others come with a later
-        step); every ``heat_interval`` steps a heat summary and the resolver's counters (``flush``: the counters
+        step); when ``heat`` says one is due, a heat summary and the resolver's counters (``flush``: the counters
         now, e.g. at the end of a run). Never waits for the device."""
         step = self._need_step("end_step()")
-        # Every interval, and sooner at the start (steps 1, 2, 4...), when a worker has nothing ranked yet.
-        n = step.step
-        due = n % self.heat_interval == 0 or (n < self.heat_interval and not n & (n - 1))
+        due = self.heat.due(step.step)
         if due:  # first: if it refuses, nothing below has been taken yet
-            self._summaries.append(self.dp.start_heat_summary(self.heat_coldest, self.heat_hottest))
+            self._summaries.append(self.dp.start_heat_summary(self.heat.coldest, self.heat.hottest))
         if not self._cuda:  # copies on CPU are done when apply() returns
             completed = tuple(t for f in self._in_flight for t in f.transfers)
             self._in_flight = []

@@ -21,6 +21,7 @@ import torch
 from ._core import ResidencyManager, StepPlan
 from .datapath import DataPath, Layout
 from .errors import CapacityError
+from .heat import HeatOptions
 from .hooks import SchedulerHooks, WorkerHooks, WorkerStep
 from .tools import console
 from .tools.argtypes import int_range, seed
@@ -58,7 +59,7 @@ class Driver:
     def __init__(self, manager: ResidencyManager, datapath: DataPath, top_k: int, seed: int = 0,
                  heat_interval: int = 1):
         self.sched = SchedulerHooks(manager)
-        self.worker = WorkerHooks(datapath, heat_interval=heat_interval)
+        self.worker = WorkerHooks(datapath, heat=HeatOptions(interval=heat_interval))
         self.m = manager
         self.dp = datapath
         self.top_k = top_k
@@ -171,7 +172,7 @@ class Driver:
         self.open = None
         self.withheld = []  # what the dead worker finished is never reported: the scheduler redoes it
         self.dp = DataPath(self.layout, gpu=self.dp.gpu, host=self.dp.host)
-        self.worker = WorkerHooks(self.dp, heat_interval=self.worker.heat_interval)
+        self.worker = WorkerHooks(self.dp, heat=self.worker.heat)
         step = self.sched.resync_worker()
         self.worker.apply(step)
         self.open = step

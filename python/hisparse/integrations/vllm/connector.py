@@ -36,13 +36,13 @@ from vllm.v1.hisparse.runtime import HiSparseRuntime  # noqa: E402
 from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
+from ...heat import HeatOptions  # noqa: E402
 from .coordinator import POLICIES, build_coordinator, longest_tokens  # noqa: E402
-from .heat import HeatReport, SelectionHeat, check_heat_options  # noqa: E402
+from .heat import HeatReport, SelectionHeat  # noqa: E402
 
-#: ``kv_connector_extra_config`` keys of the heat counting (``SelectionHeat``'s arguments) and defaults.
-HEAT_OPTIONS = {"heat_interval": 32, "heat_coldest": 128, "heat_hottest": 32, "heat_layer_stride": 8}
-#: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest.
-EXTRA_CONFIG_KEYS = ("host_pool_gib", "policy", *HEAT_OPTIONS)
+#: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest
+#: (``heat_interval``, ``heat_coldest``, ``heat_hottest``, ``heat_layer_stride``: :class:`HeatOptions`).
+EXTRA_CONFIG_KEYS = ("host_pool_gib", "policy", *HeatOptions.KEYS)
 #: The share of the host's available memory a pool may take: vLLM's own rule where it pins the pool
 #: (``check_hisparse_host_memory``, ``v1/hisparse/runtime.py``).
 HOST_MEMORY_SHARE = 0.95
@@ -112,17 +112,12 @@ def policy_option(vllm_config: Any) -> str:
     return policy
 
 
-def heat_options(vllm_config: Any) -> dict[str, int]:
-    """The heat options of ``kv_connector_extra_config`` (``HEAT_OPTIONS``), as ``SelectionHeat`` takes them."""
-    extra = _extra(vllm_config)
-    values = {name: extra.get(name, default) for name, default in HEAT_OPTIONS.items()}
-    options = {"interval": values["heat_interval"], "coldest": values["heat_coldest"],
-               "hottest": values["heat_hottest"], "layer_stride": values["heat_layer_stride"]}
+def heat_options(vllm_config: Any) -> HeatOptions:
+    """The heat options of ``kv_connector_extra_config`` (``heat_interval``...), defaults for the absent ones."""
     try:
-        check_heat_options(**options)
+        return HeatOptions.from_config(_extra(vllm_config))
     except InvalidArgumentError as e:
         raise ConfigError(f"kv_connector_extra_config: {e}") from None
-    return options
 
 
 def host_pool_option(vllm_config: Any) -> float:
@@ -169,7 +164,7 @@ def check_host_memory(vllm_config: Any, role: Any, kv_cache_config: Any) -> None
 
 def build_selection_heat(residency: Any, block_size: int, vllm_config: Any) -> SelectionHeat:
     """The worker's heat over vLLM's residency table of one resident group (``[state rows, pages]``)."""
-    return SelectionHeat(residency, block_size, tail_pages=ACTIVE_TAIL_PAGES, **heat_options(vllm_config))
+    return SelectionHeat(residency, block_size, tail_pages=ACTIVE_TAIL_PAGES, options=heat_options(vllm_config))
 
 
 class HiSparseConnector(VllmHiSparseConnector):

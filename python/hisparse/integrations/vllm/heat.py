@@ -11,8 +11,8 @@ data path's ranking, sent to the scheduler as the core's ``HeatSummary``.
 - :meth:`SelectionHeat.begin_step`, before the forward (eager): a state row that now serves another
   request starts cold, and the pages each row has come from the scheduler's residency updates (the same
   ones vLLM applies to its residency table).
-- :meth:`SelectionHeat.end_step`, after the forward: every ``interval`` steps (sooner at first: steps 1,
-  2, 4, ...) it ranks the batch's rows with :func:`hisparse.datapath.rank_heat` (DataPath's ranking) over
+- :meth:`SelectionHeat.end_step`, after the forward: when ``HeatOptions.due`` (every ``interval`` steps, sooner
+  at first: steps 1, 2, 4, ...) it ranks the batch's rows with :func:`hisparse.heat.rank_heat` (DataPath's ranking) over
   the pages the scheduler may release or move (resident, outside the ``tail_pages`` vLLM keeps pinned),
   halves their counts (``heat.rs`` gives the decay rule), and copies the keys back through pinned memory
   behind an event; a later step sends the encoded summary once the event has passed. Nothing waits.
@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...datapath import HeatSummaryInFlight, _to_device, heat_ranks, rank_heat
+from ...datapath import _to_device
 from ...errors import InvalidArgumentError
+from ...heat import HeatOptions, HeatSummaryInFlight, heat_ranks, rank_heat
 
-__all__ = ["HeatReport", "SelectionHeat", "check_heat_options"]
+__all__ = ["HeatReport", "SelectionHeat"]
 
 
 @dataclass(frozen=True)
@@ -54,30 +55,23 @@ def _positive(name: str, value: object, low: int) -> int:
     return value
 
 
-def check_heat_options(interval: object, coldest: object, hottest: object, layer_stride: object) -> None:
-    """Refuses options :class:`SelectionHeat` cannot take (``InvalidArgumentError``)."""
-    for name, value, low in (("heat_interval", interval, 1), ("heat_coldest", coldest, 0),
-                             ("heat_hottest", hottest, 0), ("heat_layer_stride", layer_stride, 1)):
-        _positive(name, value, low)
-
-
 class SelectionHeat:
     """Heat of one worker's state rows (module docstring).
 
     ``residency``: vLLM's residency table of one resident group, int32 ``[S, P]`` by state row and page (0:
     read from the host), on the worker's device. ``tail_pages``: a request's last pages, which vLLM never
-    releases (``ACTIVE_TAIL_PAGES``), left out of the ranking. ``interval``: steps between summaries; ``coldest`` /
-    ``hottest``: pages each summary ranks per request; ``layer_stride``: count in every ``layer_stride``-th
-    index group (each counted group costs a few small kernels in every decode step)."""
+    releases (``ACTIVE_TAIL_PAGES``), left out of the ranking. ``options``: when summaries go out, what they
+    rank, and which index groups count (:class:`~hisparse.heat.HeatOptions`)."""
 
-    def __init__(self, residency: torch.Tensor, block_size: int, *, tail_pages: int, interval: int = 32,
-                 coldest: int = 128, hottest: int = 32, layer_stride: int = 8):
+    def __init__(self, residency: torch.Tensor, block_size: int, *, tail_pages: int,
+                 options: HeatOptions | None = None):
         if not isinstance(residency, torch.Tensor) or residency.dim() != 2 or residency.dtype != torch.int32:
             raise InvalidArgumentError("residency must be vLLM's int32 [state rows, pages] residency table")
+        if options is not None and not isinstance(options, HeatOptions):
+            raise InvalidArgumentError(f"options must be HeatOptions, not {type(options).__name__}")
         self.block_size = _positive("block_size", block_size, 1)
         self.tail_pages = _positive("tail_pages", tail_pages, 0)
-        check_heat_options(interval, coldest, hottest, layer_stride)
-        self.interval, self.coldest, self.hottest, self.layer_stride = interval, coldest, hottest, layer_stride
+        self.options = options if options is not None else HeatOptions()
         self.residency = residency
         s, p = residency.shape
         dev = residency.device
@@ -104,7 +98,7 @@ class SelectionHeat:
 
     def counted(self, index_group: int) -> bool:
         """Whether :meth:`count` runs in this index group (by its position among the index groups)."""
-        return index_group % self.layer_stride == 0
+        return index_group % self.options.layer_stride == 0
 
     # ------------------------------------------------------------------ in the forward (captured)
 
@@ -157,14 +151,13 @@ class SelectionHeat:
         reached the host (None if none has)."""
         if self._rows is not None:
             self._steps += 1
-            n = self._steps
-            if n % self.interval == 0 or (n < self.interval and not n & (n - 1)):
+            if self.options.due(self._steps):
                 self._start_summary(self._ids, self._rows)
             self._rows = None
         report = None
         while self._pending and self._pending[0][0].ready():
             summary, ids = self._pending.popleft()
-            report = HeatReport(summary.take(), ids, self.hottest)
+            report = HeatReport(summary.take(), ids, self.options.hottest)
         return report
 
     def _start_summary(self, ids: tuple[str, ...], rows: torch.Tensor) -> None:
@@ -172,12 +165,12 @@ class SelectionHeat:
         heat = self.heat.index_select(0, rows)
         limit = self._pages.index_select(0, rows) - self.tail_pages
         eligible = (self.residency.index_select(0, rows) != 0) & (self._page_index[None, :] < limit[:, None])
-        ranked = rank_heat(heat, eligible, self.coldest, self.hottest)
+        coldest, hottest = self.options.coldest, self.options.hottest
+        ranked = rank_heat(heat, eligible, coldest, hottest)
         self.heat.index_copy_(0, rows, heat.clamp(min=0) >> 1)
         n = len(ids)
         # The summary's request i is batch row i; every row serves a request (a positive "length").
         batch = torch.arange(n, dtype=torch.int64, device=rows.device)
         serving = torch.ones(n, dtype=torch.int32, device=rows.device)
-        inflight = HeatSummaryInFlight.copy_back((*ranked, batch, serving), (p, *heat_ranks(p, self.coldest,
-                                                                                             self.hottest)))
+        inflight = HeatSummaryInFlight.copy_back((*ranked, batch, serving), (p, *heat_ranks(p, coldest, hottest)))
         self._pending.append((inflight, ids))
