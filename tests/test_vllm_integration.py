@@ -229,6 +229,28 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
             assert ours == theirs, f"step {step} differs ({('sent', 'kept')[kind]})"
 
 
+def test_a_heat_summary_is_acted_on_over_several_steps():
+    """A summary's free-queue moves are made a bounded number per step (``heat_moves_per_step`` pages, each one
+    block per resident group), not all in the step that receives it; all of them get made."""
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra={"heat_interval": 8})
+    coord = setup.scheduler.connector.coordinator
+    coord.heat_moves_per_step = budget = 8
+    per_step, left = [], []
+    move = coord.move_heat
+
+    def counted():
+        before = coord.counters["moved_to_front"] + coord.counters["moved_to_back"]
+        move()
+        per_step.append(coord.counters["moved_to_front"] + coord.counters["moved_to_back"] - before)
+        left.append(sum(len(pages) for _, pages, _ in coord._heat_moves))
+
+    coord.move_heat = counted
+    H.run(setup, H.FakeWorker(setup, layers=GROUP_LAYERS), [H.Job(f"r{i}", H.prompt(i, 6000), 40) for i in range(3)])
+    assert sum(per_step) > 0, "heat was reported and acted on"
+    assert max(per_step) <= budget * coord.blocks_per_page
+    assert any(n > 0 for n in left), "a summary outlasted one step"
+
+
 def test_coldest_orders_vllms_free_queue_by_heat():
     """Release order is reuse order. Pages a request releases together enter vLLM's free queue in the order of
     its last heat summary: the coldest it listed first (in its order), then those it did not list (oldest

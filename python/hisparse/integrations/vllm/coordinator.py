@@ -40,7 +40,7 @@ pins until a dead worker reports them, so the reset raises).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
@@ -61,6 +61,11 @@ def longest_tokens(request) -> int | None:
     return None if request.max_tokens is None else request.num_prompt_tokens + request.max_tokens
 
 logger = logging.getLogger(__name__)
+
+#: Released pages a step moves in vLLM's free queue for heat (each page: one block per resident group). A
+#: summary lists up to 160 pages per request; moved at once, it made its step several times the median
+#: (``benches/vllm_step.py``); this many per step spread it over a few steps of a summary interval.
+HEAT_MOVES_PER_STEP = 1024
 
 
 class HisparseCoordinator(HiSparseCoordinator):
@@ -85,6 +90,9 @@ class HisparseCoordinator(HiSparseCoordinator):
         self.requests: dict = {}
         # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
         self._forgotten_below = 0
+        # The latest heat summary's free-queue moves not made yet: (request, pages, to the front), oldest first.
+        self._heat_moves: deque[tuple[str, list[int], bool]] = deque()
+        self.heat_moves_per_step = HEAT_MOVES_PER_STEP
         self._admission_pages = min((m.max_admission_blocks_per_request for m in self.resident_managers),
                                     default=0)
 
@@ -351,10 +359,11 @@ class HisparseCoordinator(HiSparseCoordinator):
                 self.counters["released"] += 1
 
     def report_heat(self, report: HeatReport) -> None:
-        """A heat summary from the workers (``heat.py``): remember it, and move each request's released pages
-        it found never selected to the front of the free queue (reused first) and its selected hottest to the
-        back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked at: O(coldest +
-        hottest) per request."""
+        """A heat summary from the workers (``heat.py``): remember it, and queue the moves of each request's
+        released pages it found never selected to the front of the free queue (reused first) and of its
+        selected hottest to the back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked
+        at: O(coldest + hottest) per request. The moves are made by :meth:`move_heat`, a bounded number per
+        step, so a summary does not land on one step; a newer summary replaces the moves an older one left."""
         if self.policy == "fifo":
             return
         try:
@@ -364,14 +373,28 @@ class HisparseCoordinator(HiSparseCoordinator):
             logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
             self.counters["heat_refused"] += 1
             return
+        self.counters["heat_moves_superseded"] += sum(len(pages) for _, pages, _ in self._heat_moves)
+        self._heat_moves.clear()
         for request_id, front, back in moves:
+            self._heat_moves.append((request_id, list(front), True))
+            self._heat_moves.append((request_id, list(back), False))
+
+    def move_heat(self) -> None:
+        """Makes up to ``heat_moves_per_step`` of the queued free-queue moves (pages listed; each moves every
+        resident group's block), oldest first; a request finished or preempted since its summary is skipped."""
+        budget = self.heat_moves_per_step
+        while budget > 0 and self._heat_moves:
+            request_id, pages, front = self._heat_moves.popleft()
+            if len(pages) > budget:
+                self._heat_moves.appendleft((request_id, pages[budget:], front))
+                pages = pages[:budget]
+            budget -= len(pages)
             state = self.request_states.get(request_id)
             if state is None:  # finished or preempted since the summary was taken
                 self.order.forget(request_id)
                 continue
             released = state.unpinned_pages
-            self._move_released(request_id, [p for p in front if p in released], front=True)
-            self._move_released(request_id, [p for p in back if p in released], front=False)
+            self._move_released(request_id, [p for p in pages if p in released], front=front)
 
     def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
         """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
