@@ -71,6 +71,11 @@ SIMULATE = [
     ("--mtp", (*BAD_NUMBERS, "-1", "8", *BIG_INTS)),
     ("--accept-length", (*BAD_FLOATS, "0.5")),
     ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")),
+    ("--kv-hbm-gib", ("100000", "131.4")),  # more than one H200's memory (131.3 GiB)
+    ("--turns", ints()), ("--first-turn-tokens", ints("200000")),  # 200,000 > the default --max-model-len
+    ("--later-turn-tokens", (*BAD_NUMBERS, "-1", *BIG_INTS)), ("--output-tokens", ints()),
+    ("--max-model-len", (*ints(), "2000000")),  # beyond GLM-5.3's 1,048,576 positions
+    ("--model", ("llama", "")), ("--gpu", ("a100", "")), ("--arrival-spread", (*BAD_FLOATS[:3], "-1")),
 ]
 BATTERY = {"demo": DEMO, "scenario": SCENARIO, "calc": CALC, "simulate": SIMULATE}
 
@@ -165,6 +170,8 @@ def test_the_issue_cases(capsys) -> None:
         ("demo", "--modes", ","): "an empty run",
         ("calc", "--host-gib", "1e308"): "--host-gib: must lie in [0, 1.07374e+09]",
         ("simulate", "--concurrency", "2147483648"): "lower --concurrency",
+        ("simulate", "--kv-hbm-gib", "100000"): "use --kv-hbm-gib 131.3 or less",
+        ("simulate", "--first-turn-tokens", "1000000"): "raise --max-model-len (at most 1,048,576",
         ("demo", "--fit", "0.5"): "raise --fit to at least",
     }
     for argv, text in expect.items():

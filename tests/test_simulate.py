@@ -10,6 +10,7 @@ import math
 import pytest
 
 from hisparse import CapacityError, ConfigError
+from hisparse.tools import locality
 from hisparse.tools import sim_constants as K
 from hisparse.tools import simulate as sim_mod
 from hisparse.tools.simulate import SimConfig, Simulation, add_parser, derive, miss_rate, simulate, to_json
@@ -21,7 +22,7 @@ def tiny(**overrides) -> SimConfig:
         mode="hisparse", policy="fifo", concurrency=8, duration_s=12.0, seed=3, drain=True, check_every=1,
         turns=3, first_turn_tokens=1024, later_turn_tokens=64, output_tokens=32, max_model_len=4096,
         max_batched_tokens=512, top_k=128, speculative_tokens=1, accept_length=1.8, num_gpu_blocks=64,
-        num_host_blocks=2000, materialize_budget=16,
+        num_host_blocks=2000, materialize_budget=16, arrival_spread_s=2.0,
     )
     base.update(overrides)
     return SimConfig(**base)
@@ -76,13 +77,20 @@ def test_same_seed_same_json_other_seed_other_run():
     assert c != a
 
 
-def test_miss_model_goes_through_the_published_points():
-    for ratio, rate in K.MISS_ANCHORS:
-        assert math.isclose(miss_rate(ratio), rate, rel_tol=1e-12)
+def test_miss_model_is_the_selection_model_near_the_published_points():
+    """Without speculation, a buffer of 1x / 2x / 4x top_k rows misses what the paper measured, within 20% (the
+    model is fitted to 1x and 4x; tests/test_locality.py checks the held-out 2x); a larger buffer never misses
+    more; MTP3 steps resolve fewer rows than the old assumption top_k x (1 + 3 x 0.30)."""
+    prof = locality.step_profile(0)
+    for ratio, rate in locality.PUBLISHED_MISS:
+        got = miss_rate(ratio / prof.union, speculative_tokens=0)
+        assert abs(got / rate - 1) < 0.2, (ratio, got, rate)
     grid = [0.25 * i for i in range(1, 64)]
     rates = [miss_rate(x) for x in grid]
-    assert all(a > b for a, b in zip(rates, rates[1:], strict=False))
-    assert miss_rate(0) == 1.0 and 0 < miss_rate(100) < 0.01
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert miss_rate(0) == 1.0 and 0 < miss_rate(100) < 0.2
+    mtp = locality.step_profile(3)
+    assert 1.0 < mtp.union < 1.9 and 0.5 < mtp.overlap < 0.9
 
 
 def test_default_deployment_sizes():
@@ -170,3 +178,110 @@ def test_a_point_whose_clock_stops_ends_with_its_cause(monkeypatch):
     cfg = SimConfig(mode="offload", kv_hbm_gib=0.5, concurrency=1, max_steps=50)
     with pytest.raises(CapacityError, match=r"up to t=0\.00 s .* use --kv-hbm-gib 4\.33 or more"):
         Simulation(cfg).run()
+
+
+def test_heat_summaries_reach_the_core_and_coldest_keeps_what_the_model_selects():
+    """Under pressure, every heat interval the model's page heat goes through the core's summary into
+    ``apply_results``; coldest then copies no more over the host link per token than fifo."""
+    calls = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def apply_results(self, *args, **kwargs):
+            calls.append(kwargs.get("heat"))
+            return self.inner.apply_results(*args, **kwargs)
+
+    sim = Simulation(tiny(policy="coldest", drain=False, duration_s=20.0))
+    sim.manager = Spy(sim.manager)
+    r = sim.run()
+    assert calls and all(isinstance(h, bytes) and h[:4] == b"HSHT" for h in calls)
+    assert r["hit_rate"] is not None and r["h2d_bytes_per_token"] > 0
+
+
+def test_json_has_the_breakdown_and_the_policy_comparison():
+    cfgs = [tiny(mode="offload", drain=False), tiny(policy="coldest", drain=False), tiny(policy="fifo", drain=False)]
+    out = to_json(simulate(cfgs))
+    for p in out["points"]:
+        b = p["gpu_blocks_breakdown"]
+        assert set(b) == set(sim_mod.BREAKDOWN_KEYS)
+        # every usable block is in one of the parts (the null block is not)
+        assert math.isclose(sum(b.values()), 64 - 1, rel_tol=1e-6), b
+        assert set(p["admission"]) == set(sim_mod.LIMIT_KEYS)
+    off = out["points"][0]["gpu_blocks_breakdown"]
+    assert off["hot_rows"] == off["indexer_keys"] == 0
+    (row,) = out["policy_comparison"]
+    assert row["concurrency"] == 8 and {"coldest", "fifo"} <= row.keys()
+    assert {"mean_running", "hit_rate", "h2d_mb_per_token"} <= row["coldest"].keys()
+
+
+def test_nothing_finished_reads_as_no_result():
+    """A point in which no request finishes reports no running count (it would read as success)."""
+    r = Simulation(SimConfig(mode="hisparse", policy="fifo", concurrency=1, duration_s=0.5)).run()
+    assert r["requests_finished"] == 0 and r["mean_running"] is None
+
+
+def test_users_arrive_spread_over_the_arrival_window():
+    r = Simulation(tiny(drain=False, duration_s=0.1, arrival_spread_s=100.0)).run()
+    assert r["requests_arrived"] == 1  # users at 0, 12.5, 25, ... s
+    r = Simulation(tiny(drain=False, duration_s=0.1, arrival_spread_s=0.0)).run()
+    assert r["requests_arrived"] >= 8
+
+
+def test_short_requests_never_run_fewer_than_plain_residency():
+    """4K-token single-turn requests at concurrency 64 never take a hot region (the core's admission reserves
+    one only for requests that can ever use it): hisparse runs as many requests as offload, as fast."""
+    common = dict(concurrency=64, duration_s=60.0, first_turn_tokens=4096, turns=1, arrival_spread_s=0.0)
+    off = Simulation(SimConfig(mode="offload", **common)).run()
+    his = Simulation(SimConfig(mode="hisparse", policy="fifo", **common)).run()
+    assert his["mean_running"] >= off["mean_running"] * 0.995, (his["mean_running"], off["mean_running"])
+    assert his["output_tok_s"] >= off["output_tok_s"] * 0.995
+    assert his["mean_mixed"] == 0
+
+
+def test_cli_workload_model_and_gpu_flags(capsys):
+    parser = argparse.ArgumentParser(prog="hisparse")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--mode", "hisparse", "--policy", "fifo", "--concurrency", "2",
+                              "--duration", "3", "--turns", "2", "--first-turn-tokens", "2048",
+                              "--later-turn-tokens", "100", "--output-tokens", "16", "--max-model-len", "8192",
+                              "--model", "deepseek-v3.2", "--gpu", "b200", "--arrival-spread", "1", "--json",
+                              "--no-progress"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = out["config"]
+    assert c["model"] == "deepseek-v3.2" and c["gpu"] == "b200"
+    assert c["workload"] | {"turns": 2, "first_turn_tokens": 2048, "later_turn_tokens": 100, "output_tokens": 16,
+                            "max_model_len": 8192} == c["workload"]
+    # DeepSeek-V3.2: 61 layers, an indexer on each: 64 x (61 x 656 + 61 x 132) B per block
+    assert c["gpu_block_bytes"] == 64 * 61 * (656 + 132)
+    assert out["points"][0]["requests_finished"] > 0
+
+
+def test_a_million_token_context_runs_from_the_cli_and_offload_says_why_it_cannot(capsys):
+    """Offload keeps a request whole on the GPU: a 1M-token prompt never fits it, and --mode both reports that
+    point as refused with the cause while hisparse runs."""
+    parser = argparse.ArgumentParser(prog="hisparse")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--policy", "fifo", "--concurrency", "1", "--steps", "3",
+                              "--first-turn-tokens", "1000000", "--turns", "1", "--max-model-len", "1048576",
+                              "--json", "--no-progress"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    off, his = out["points"]
+    assert off["mode"] == "offload" and "keeps a request whole" in off["error"] and off["mean_running"] is None
+    assert his["mode"] == "hisparse" and "error" not in his
+    with pytest.raises(ConfigError, match="keeps a request whole"):
+        args = parser.parse_args(["simulate", "--mode", "offload", "--concurrency", "1", "--turns", "1",
+                                  "--first-turn-tokens", "1000000", "--max-model-len", "1048576", "--no-progress"])
+        args.func(args)
+
+
+def test_kv_hbm_beyond_the_gpu_is_refused():
+    with pytest.raises(ConfigError, match=r"exceeds the 131\.3 GiB of one H200"):
+        derive(SimConfig(kv_hbm_gib=100_000.0))
+    derive(SimConfig(kv_hbm_gib=100.0, gpu="b200"))

@@ -87,6 +87,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    """A finite number, at least 0."""
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number, at least 0, got {_show(text)}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """``1,8,16``: a comma-separated list of integers in ``[1, U32_MAX]``, repeats dropped."""
     parts = [p for p in text.replace(" ", "").split(",") if p]

@@ -14,8 +14,10 @@ Modes
 ``hisparse``  Hybrid HiSparse: core policy ``fifo`` (what vLLM 0.33 does) or ``coldest``, 384 GiB HiSparse
               host pool for the sparse-MLA KV. The 128 GiB indexer OffloadingConnector pool is modeled as
               never binding (32 conversations of <= 86K tokens hold at most 7.6 GB of indexer keys).
-              No selection heat is reported (the miss model below is aggregate, not per page), so
-              ``coldest`` releases the oldest clean pages first -- its tie-break -- and ``fifo`` the newest.
+              Selection heat comes from :mod:`hisparse.tools.locality`'s page model: every 32 steps each running
+              request's selections are added to a worker-side heat table and the core's own summary of it
+              (``_ref_heat_summary``, 128 coldest / 32 hottest pages) is reported through ``apply_results``, so
+              ``coldest`` releases what the model selects least; ``fifo`` releases the newest pages first.
 
 Memory model (GLM-5.3 FP8 on 8xH200, TP8; every rank holds the same replicated MLA KV, so one GPU is
 simulated)
@@ -34,7 +36,8 @@ simulated)
     top_k); ``--adaptive-hot-rows`` picks the largest buffer that lets all ``concurrency`` requests fit.
   * Host page: MLA only (3,274,752 B) in hisparse mode, MLA + indexer (3,452,160 B) in offload mode.
 
-Workload (vLLM blog, OpenHands-style): ``concurrency`` users, each runs 13-turn conversations back to back;
+Workload (vLLM blog, OpenHands-style; every length a flag): ``concurrency`` users, whose first requests are
+spread over the first 60 s (``arrival_spread_s``), each runs 13-turn conversations back to back;
 turn 1 is 74,160 tokens, each later turn is the whole conversation so far plus 753 new tokens; 220 output
 tokens per turn (EOS ignored); the next turn is sent the moment the answer ends. Page hashes are a chain per
 conversation (prefix caching), including the pages the answer fills, so a next turn finds every full page
@@ -53,16 +56,15 @@ request computes a new token for 50 scheduler passes (each step lost to a preemp
 Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
   * Step = one decode step (26.2 ms: TPOT x accept length of GLM-5-FP8 MTP on 8xH200) + prefill FLOPs /
     (8 x 1,979 TFLOPS x 24.4% MFU) + host->GPU bytes the forward waits for / 55 GB/s.
-  * Top-K locality: the LRU stack-distance profile of the selection stream is the published one (miss rate
-    30% / 13.4% / 6.7% with a buffer of 1 / 2 / 4 times the rows one step selects; log-log interpolation,
-    the last slope beyond 4x, linear to 100% below 1x). A hot buffer of ``h`` rows over a stream whose steps
-    select ``s`` rows misses ``S(h / s)`` of them (LRU inclusion). One MTP step resolves the union of its
-    q + 1 verification tokens' top-K: ``top_k x (1 + q x 0.30)`` rows (each next token brings the 30% a
-    one-step buffer misses). Only the fraction ``f`` of the history that is host-only feeds the buffer
-    (selections spread uniformly over the history; the tail is resident), so ``s = f x union`` and the step
-    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers). A prefill chunk of T tokens
-    over host-only history reads the union of its tokens' selections, ``top_k x (1 + (T - 1) x 0.30) x f``
-    rows capped at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
+  * Top-K locality (:mod:`hisparse.tools.locality`): a selection process (sinks, a recent window, drifting
+    topics with reuse, one stream per indexer) fitted to the paper's miss rates (30% / 13.4% / 6.7% with 1x / 2x
+    / 4x top_k hot rows: fitted on 1x and 4x, 2x predicted). From it: the rows one MTP step resolves (the union
+    of its q + 1 consecutive positions' top-K, ~1.6 x top_k at q = 3), the LRU miss curve of a hot buffer over
+    such steps, and per request the share ``f`` of a step's selection that lands on its host-only pages (from
+    the request's page heat and its host-only pages as the plans' table updates leave them). A decode step
+    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers), ``s = f x union``. A prefill
+    chunk of T tokens over host-only history reads ``top_k x (1 + (T - 1) x (1 - overlap)) x f`` rows capped
+    at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
   * Restores at admission/resumption (tail pages, or every page for the offload baseline) and the indexer
     keys of host-only history run on the host link asynchronously: the request runs when they have landed.
     Restores planned inside a step (relief back to full residency) delay that step.
@@ -71,10 +73,12 @@ Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
 
 Metrics: ``mean_running`` is the blog's metric, the mean of the non-zero samples of running requests
 (sampled per unit of simulated time; a request waiting for its restores is not yet running), over the
-simulated duration. Output tokens/s, TTFT and ITL medians (ITL: time between consecutive output chunks of a
-request, one chunk per step), preemptions (not counting un-admissions), H2D GB (misses + restores +
-indexer-key loads), and the hot-buffer hit rate of decode steps (hits / (hits + misses) of the rows selected
-on host-only pages; ``null`` for offload).
+simulated duration; ``null`` when no request finished (a request that never finishes is no success).
+Also per point: host-link bytes per output token, the GPU blocks by use (``gpu_blocks_breakdown``) and what
+held admission (``admission``), sampled every 8 steps; and ``policy_comparison``: coldest vs fifo. Output
+tokens/s, TTFT and ITL medians (ITL: time between consecutive output chunks of a request, one chunk per step),
+preemptions (not counting un-admissions), H2D GB (misses + restores + indexer-key loads), and the hot-buffer hit
+rate of decode steps (hits / (hits + misses) of the rows selected on host-only pages; ``null`` for offload).
 """
 
 from __future__ import annotations
@@ -90,11 +94,22 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import _core
 from .._core import ResidencyManager
 from ..errors import CapacityError, ConfigError
-from . import calc, console
+from . import calc, console, locality
 from . import sim_constants as K
-from .argtypes import U32_MAX, int_range, plot_path, positive_float, positive_gib, positive_int, positive_int_list, seed
+from .argtypes import (
+    U32_MAX,
+    int_range,
+    nonnegative_float,
+    plot_path,
+    positive_float,
+    positive_gib,
+    positive_int,
+    positive_int_list,
+    seed,
+)
 
 GIB = 2**30
 #: Scheduler passes in a row in which no request computes a token it never had, after which a point is given up.
@@ -127,7 +142,9 @@ class SimConfig:
     max_model_len: int = K.MAX_MODEL_LEN
     max_batched_tokens: int = K.MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = K.MAX_NUM_SEQS
+    arrival_spread_s: float = K.ARRIVAL_SPREAD_S  # users' first requests spread evenly over [0, this) seconds
     # deployment
+    model: str = K.MODEL
     gpu: str = K.GPU
     tp: int = K.TP
     kv_hbm_gib: float | None = None  # None: hisparse calc's KV HBM per GPU
@@ -169,9 +186,22 @@ class SimConfig:
                 raise ConfigError(f"{name} must be positive")
         if not self.duration_s > 0:  # also NaN
             raise ConfigError("duration_s must be positive")
+        if self.later_turn_tokens < 0:
+            raise ConfigError("later_turn_tokens must not be negative")
+        if not 0 <= self.arrival_spread_s < math.inf:
+            raise ConfigError("arrival_spread_s must be a finite number of seconds, at least 0")
+        if self.model not in calc.MODELS:
+            raise ConfigError(f"unknown model {self.model!r}; choose from {', '.join(calc.MODELS)}")
+        if self.gpu not in calc.GPU_MEMORY_GB:
+            raise ConfigError(f"unknown gpu {self.gpu!r}; choose from {', '.join(calc.GPU_MEMORY_GB)}")
+        positions = calc.MODELS[self.model].max_positions
+        if self.max_model_len > positions:
+            raise ConfigError(f"max_model_len {self.max_model_len:,} exceeds {self.model}'s {positions:,} positions")
         if self.max_prompt() + self.output_tokens > self.max_model_len:
-            raise ConfigError(f"the last turn ({self.max_prompt() + self.output_tokens} tokens) exceeds "
-                              f"max_model_len {self.max_model_len}")
+            raise ConfigError(f"the last turn ({self.max_prompt() + self.output_tokens:,} tokens) exceeds "
+                              f"max_model_len {self.max_model_len:,}: raise --max-model-len (at most {positions:,} "
+                              f"for {self.model}) or lower --turns, --first-turn-tokens, --later-turn-tokens or "
+                              f"--output-tokens")
         if self.speculative_tokens < 0 or not 1.0 <= self.accept_length <= self.speculative_tokens + 1:
             raise ConfigError(f"accept_length must lie in [1, speculative_tokens + 1 = {self.speculative_tokens + 1}], "
                               f"got {self.accept_length}")
@@ -209,29 +239,10 @@ class Derived:
     step_rows: float  # rows one decode step selects (union of the verification tokens' top-K)
 
 
-def _miss_anchor_1() -> float:
-    return K.MISS_ANCHORS[0][1]
-
-
-def miss_rate(ratio: float) -> float:
-    """Fraction of selected rows an LRU hot buffer misses, ``ratio`` = buffer rows / rows selected per step.
-
-    Piecewise power law through the published points (1, 0.30), (2, 0.134), (4, 0.067), the last slope
-    beyond 4, and linear to 1.0 at ratio 0 below 1 (a buffer smaller than one step cannot hold its rows).
-    """
-    anchors = K.MISS_ANCHORS
-    if ratio <= 0:
-        return 1.0
-    x0, y0 = anchors[0]
-    if ratio <= x0:
-        return 1.0 - (1.0 - y0) * ratio / x0
-    for (xa, ya), (xb, yb) in zip(anchors, anchors[1:], strict=False):
-        if ratio <= xb:
-            slope = math.log(yb / ya) / math.log(xb / xa)
-            return ya * (ratio / xa) ** slope
-    (xa, ya), (xb, yb) = anchors[-2], anchors[-1]
-    slope = math.log(yb / ya) / math.log(xb / xa)
-    return yb * (ratio / xb) ** slope
+def miss_rate(ratio: float, speculative_tokens: int = K.SPECULATIVE_TOKENS) -> float:
+    """Fraction of selected rows an LRU hot buffer misses, ``ratio`` = buffer rows / rows one step resolves, from
+    the selection model (:func:`hisparse.tools.locality.step_profile`) for ``speculative_tokens``."""
+    return locality.step_profile(speculative_tokens).miss_rate(ratio)
 
 
 def _core_hot_blocks(cfg: SimConfig, hot_rows: int, gpu_block_bytes: int, charge_tokens: int) -> int:
@@ -254,7 +265,11 @@ def derive(cfg: SimConfig) -> Derived:
     else:
         kv_gib = cfg.kv_hbm_gib
         if kv_gib is None:
-            kv_gib = calc.calculate(model=K.MODEL, gpu=cfg.gpu, tp=cfg.tp, kv_dtype=K.KV_DTYPE).kv_hbm_gib
+            kv_gib = calc.calculate(model=cfg.model, gpu=cfg.gpu, tp=cfg.tp, kv_dtype=K.KV_DTYPE).kv_hbm_gib
+        hbm_gib = calc.GPU_MEMORY_GB[cfg.gpu] * 1e9 / GIB
+        if kv_gib > hbm_gib:
+            raise ConfigError(f"{kv_gib:g} GiB of KV HBM per GPU exceeds the {hbm_gib:.1f} GiB of one "
+                              f"{cfg.gpu.upper()}; use --kv-hbm-gib {hbm_gib:.1f} or less")
         gpu_blocks = int(kv_gib * GIB // gpu_block)
         if gpu_blocks > U32_MAX:
             raise ConfigError(f"{kv_gib:g} GiB of KV HBM is {gpu_blocks:,} blocks; the core counts at most {U32_MAX:,}")
@@ -268,7 +283,7 @@ def derive(cfg: SimConfig) -> Derived:
             host_gib = K.OFFLOAD_HOST_GIB if cfg.mode == "offload" else K.HISPARSE_HOST_GIB
         host_blocks = int(host_gib * GIB // host_page)
     q = cfg.speculative_tokens
-    step_rows = cfg.top_k * (1 + q * _miss_anchor_1())
+    step_rows = cfg.top_k * locality.step_profile(q).union
     charge = round(cfg.mean_decode_context())
     limit = max(cfg.top_k, K.HOT_ROWS_LIMIT)
     if cfg.mode == "offload":
@@ -305,6 +320,10 @@ def _pool_advice(cfg: SimConfig, blocks: int, gpu_block_bytes: int) -> str:
     return f"--kv-hbm-gib {math.ceil(100 * blocks * gpu_block_bytes / GIB) / 100:g} or more"
 
 
+class PoolTooSmall(ConfigError):
+    """A GPU pool that can never run one step of the point's workload (a ``ConfigError``)."""
+
+
 def _check_pool(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, kv_gib: float | None) -> None:
     """Refuses a GPU pool that can never run a step: the scheduler does not shrink a prefill chunk, and offload
     keeps a request whole on the GPU (core policy ``resident``). With less, a point would loop without progress."""
@@ -316,7 +335,7 @@ def _check_pool(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, kv_gib: f
     need = _blocks(cfg, tokens)
     if gpu_blocks < need:
         pool = f"the pool has {gpu_blocks:,}" if kv_gib is None else f"{kv_gib:g} GiB of KV HBM holds {gpu_blocks:,}"
-        raise ConfigError(f"{what} needs {need - 1:,} GPU blocks of {gpu_block_bytes:,} B besides the null block, "
+        raise PoolTooSmall(f"{what} needs {need - 1:,} GPU blocks of {gpu_block_bytes:,} B besides the null block, "
                           f"and {pool}: use {_pool_advice(cfg, need, gpu_block_bytes)}")
 
 
@@ -366,6 +385,70 @@ class _Req:
         self.reached = 0  # the most tokens it ever had computed: computing beyond is progress, redoing is not
 
 
+class _WorkerTables:
+    """What a worker keeps that a heat summary reads (``seq_lens``, ``releasable``, ``row_request``, ``heat``,
+    as ``hisparse.datapath`` lays them out) plus which pages are host-only, kept from the plans' table updates;
+    the summary itself is the core's (``_ref_heat_summary``: rank, then halve every count)."""
+
+    def __init__(self, rows: int, pages: int, block_size: int):
+        import numpy as np
+
+        self.np = np
+        self.pages = pages
+        self.block_size = block_size
+        self.seq_lens = np.zeros(rows, dtype=np.int32)
+        self.row_request = np.full(rows, -1, dtype=np.int64)
+        self.releasable = np.zeros((rows, pages), dtype=np.uint8)
+        self.heat = np.zeros((rows, pages), dtype=np.int32)
+        self.host_only = np.zeros((rows, pages), dtype=bool)
+        self.dirty: set[int] = set()  # rows whose host-only pages changed since the caller last looked
+
+    #: Words per entry of each section of an encoded plan (``StepPlan.to_bytes``; ``hisparse.datapath``'s
+    #: ``_PlanSections`` reads the same layout): cleared rows, lengths, table updates, hot updates (2 + width),
+    #: restores, copies, scheduled, transitions; after 14 header words, then the u64 sections.
+    SECTIONS = ("cleared", "seq_lens", "table", "hot", "restores", "materialize", "scheduled", "transitions")
+
+    def apply(self, plan: Any) -> None:
+        np = self.np
+        raw = plan.to_bytes()
+        words = np.frombuffer(raw, dtype=np.int32, count=len(raw) // 4)
+        hot_width = int(words[5])
+        widths = (1, 2, 5, 2 + hot_width, 2, 2, 3, 2)
+        at = 14
+        spans = {}
+        for name, n, w in zip(self.SECTIONS, words[6:14].tolist(), widths, strict=True):
+            spans[name] = words[at:at + n * w].reshape(n, w)
+            at += n * w
+        at += at % 2
+        n_copies = len(spans["materialize"])
+        longs = np.frombuffer(raw, dtype=np.int64, offset=4 * at) if len(raw) > 4 * at else np.zeros(0, np.int64)
+        cleared = spans["cleared"][:, 0]
+        if len(cleared):
+            self.seq_lens[cleared] = 0
+            self.row_request[cleared] = -1
+            self.releasable[cleared] = 0
+            self.heat[cleared] = 0
+            self.host_only[cleared] = False
+            self.dirty.update(cleared.tolist())
+        lens = spans["seq_lens"]
+        if len(lens):
+            self.seq_lens[lens[:, 0]] = lens[:, 1]
+            self.row_request[lens[:, 0]] = longs[n_copies:n_copies + len(lens)]
+        table = spans["table"]
+        if len(table):
+            rows, pages = table[:, 0], table[:, 1]
+            self.releasable[rows, pages] = table[:, 4]
+            host_only = (table[:, 2] == 0) & (table[:, 3] >= 0)
+            changed = self.host_only[rows, pages] != host_only
+            if changed.any():
+                self.host_only[rows, pages] = host_only
+                self.dirty.update(set(rows[changed].tolist()))
+
+    def summary(self, coldest: int, hottest: int) -> bytes:
+        bufs = [(a.ctypes.data, a.size) for a in (self.seq_lens, self.releasable, self.row_request, self.heat)]
+        return _core._ref_heat_summary(bufs, self.pages, self.block_size, coldest, hottest)
+
+
 class Simulation:
     """One point. ``run()`` returns the metrics; ``manager`` is the live core for inspection."""
 
@@ -387,7 +470,19 @@ class Simulation:
         self.trace: list[tuple[float, int, int, int, int, int, int]] | None = None
         # MTP: per-draft acceptance p with 1 + p + ... + p^q = accept_length
         self.accept_p = _chain_probability(cfg.accept_length, cfg.speculative_tokens)
-        self.m1 = _miss_anchor_1()
+        self.profile = locality.step_profile(cfg.speculative_tokens)
+        self.m1 = 1.0 - self.profile.overlap  # new rows each further position brings
+        # Per-page selection (hisparse mode): the worker's tables and the model's page heat, whose summaries
+        # reach the core every HEAT_INTERVAL steps, so the coldest policy ranks pages by what the model selects.
+        self.tables: _WorkerTables | None = None
+        self.page_heat: locality.PageHeat | None = None
+        if cfg.mode == "hisparse":
+            self.tables = _WorkerTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_tokens), cfg.block_tokens)
+            lp = locality.Params(top_k=cfg.top_k, sink_tokens=max(1, K.TOP_K_SINKS * cfg.top_k // K.TOP_K),
+                                 window_tokens=max(1, locality.WINDOW_TOKENS * cfg.top_k // K.TOP_K))
+            self.page_heat = locality.PageHeat(lp, cfg.index_groups, cfg.block_tokens, seed=self.rng.randrange(2**32))
+        self.rows: dict[int, int] = {}  # running request -> its state row
+        self.shares: dict[int, tuple[int, float, float]] = {}  # request -> (pages, host share, miss rate)
 
     # ------------------------------------------------------------------ helpers
 
@@ -441,6 +536,80 @@ class Simulation:
                 f"step lacked {short:,}); one that holds the longest request whole ({whole - 1:,} blocks besides the "
                 f"null block) needs no release to run it: use {_pool_advice(cfg, whole, d.gpu_block_bytes)}")
 
+    def _sample_breakdown(self, acc: dict[str, float], span: float, running: list[_Req], stats: dict[str, int],
+                          waiting: int, refused: bool, gated: bool, now: float) -> None:
+        """Adds one step's GPU blocks by use, and what held admission, weighted by the step's duration."""
+        if span <= 0:
+            return
+        m, d = self.manager, self.d
+        parts = dict.fromkeys(BREAKDOWN_KEYS, 0)
+        restoring = 0
+        for r in running:
+            info = m.request_info(r.rid)
+            if r.ready_t > now:
+                restoring += 1
+            on_gpu = int(info["num_pages"]) - int(info["host_only_pages"]) - int(info["released_pages"])
+            if r.in_prefill:
+                parts["prefill_pages"] += on_gpu
+            elif info["residency"] == "full":
+                parts["resident_full"] += on_gpu
+            else:
+                parts["resident_tails"] += on_gpu
+            hot = int(info["hot_blocks"])
+            if hot:
+                rows_part = min(hot, -(-d.hot_rows * d.mla_row_all_layers // d.gpu_block_bytes))
+                parts["hot_rows"] += rows_part
+                parts["indexer_keys"] += hot - rows_part
+        parts["released_readable"] = stats["gpu_released"]
+        parts["free"] = stats["gpu_free"] - stats["gpu_released"]
+        parts["other"] = stats["gpu_used"] - sum(parts[k] for k in ("prefill_pages", "resident_full", "resident_tails",
+                                                                     "hot_rows", "indexer_keys"))
+        acc["_time"] += span
+        for k, v in parts.items():
+            acc[k] += v * span
+        acc["waiting"] += waiting * span
+        acc["restoring"] += restoring * span
+        acc["refused_by_core"] += (span if refused else 0.0)
+        acc["held_after_preemption"] += (span if gated and waiting else 0.0)
+
+    def _report_heat(self) -> None:
+        """One heat interval: the model's selections of every running request added to the worker's heat table,
+        then the core's summary of it (which halves the counts) reported through ``apply_results``."""
+        tables, heat, cfg = self.tables, self.page_heat, self.cfg
+        assert tables is not None and heat is not None
+        positions = K.HEAT_INTERVAL * (cfg.speculative_tokens + 1)
+        for rid, row in self.rows.items():
+            pages = -(-int(tables.seq_lens[row]) // cfg.block_tokens)
+            if pages <= 0:
+                continue
+            counts = heat.interval(rid, pages, positions)
+            tables.heat[row, :pages] += counts.astype(tables.np.int32)
+            self.shares.pop(rid, None)
+        self.manager.apply_results(heat=tables.summary(K.HEAT_COLDEST, K.HEAT_HOTTEST))
+
+    def _host_share(self, rid: int, info: dict[str, Any]) -> tuple[float, float]:
+        """Share of a request's selected rows on its host-only pages, from the model's page heat, and the miss
+        rate of its hot buffer over the rows a decode step then selects there (cached until its pages, its
+        host-only set or its heat change)."""
+        tables, heat = self.tables, self.page_heat
+        row = info["row"]
+        pages = info["num_pages"]
+        if tables is not None and row in tables.dirty:
+            tables.dirty.discard(row)
+            self.shares.pop(rid, None)
+        cached = self.shares.get(rid)
+        # A few new pages (one every ~18 decode steps) move the share little: recompute every SHARE_PAGES.
+        if cached is not None and 0 <= pages - cached[0] < SHARE_PAGES:
+            return cached[1], cached[2]
+        if tables is None or heat is None or row is None:
+            share = min(1.0, info["host_only_pages"] * self.cfg.block_tokens / max(1, info["seq_len"]))
+        else:
+            share = heat.host_share(rid, tables.host_only[row, :pages])
+        rows = self.d.step_rows * share
+        miss = self.profile.miss_rate(self.d.hot_rows / rows) if rows > 0 else 0.0
+        self.shares[rid] = (pages, share, miss)
+        return share, miss
+
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
@@ -453,9 +622,9 @@ class Simulation:
         waiting: deque[_Req] = deque()
         running: list[_Req] = []
         now = 0.0
-        for user in range(cfg.concurrency):
-            waiting.append(self._new_request(user, next_conv, 0, now))
-            next_conv += 1
+        # Users' first requests: all at t = 0, or spread evenly over arrival_spread_s.
+        arrivals: deque[tuple[float, int]] = deque(
+            (user * cfg.arrival_spread_s / cfg.concurrency, user) for user in range(cfg.concurrency))
         copies: deque[tuple[float, list[int]]] = deque()
         d2h_free = 0.0
         h2d_free = 0.0
@@ -477,6 +646,7 @@ class Simulation:
         hits = misses = 0
         max_running = 0
         mixed_area = 0.0
+        breakdown: dict[str, float] = dict.fromkeys(("_time", *BREAKDOWN_KEYS, *LIMIT_KEYS), 0.0)
         gated = False
         # Scheduler passes since a request last computed a token it never had: passes without a step and steps
         # that only redo what a preemption threw away are not progress.
@@ -494,6 +664,11 @@ class Simulation:
                 if not cfg.drain:
                     break
                 arrivals_open = False
+            while arrivals and arrivals[0][0] <= now and arrivals_open:
+                t_arrive, user = arrivals.popleft()
+                waiting.append(self._new_request(user, next_conv, 0, t_arrive))
+                next_conv += 1
+                idle = 0
             if not arrivals_open and not running and not waiting:
                 break
             if self.progress is not None and now - last_progress >= 5.0:
@@ -527,6 +702,7 @@ class Simulation:
                     sched.append((r, min(self._accepted(), r.out - r.generated)))
                     budget -= q + 1
             # Then waiting requests, while the budget lasts and the core admits them.
+            refused_now = False
             while waiting and budget > 0 and not gated and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
                 before = m.stats()["total_restored"]
@@ -537,9 +713,12 @@ class Simulation:
                         a = m.admit(r.rid, r.prompt, self._hashes(r.conv, r.prompt + r.out), r.prompt + r.out)
                 except CapacityError as exc:
                     refused = exc
+                    refused_now = True
                     break
                 waiting.popleft()
                 running.append(r)
+                self.rows[r.rid] = a.row
+                self.shares.pop(r.rid, None)
                 r.computed = a.cached_tokens
                 r.target = r.prompt + r.generated
                 r.in_prefill = True
@@ -571,6 +750,8 @@ class Simulation:
                 pending = [r.ready_t for r in running if r.ready_t > now]
                 if copies:
                     pending.append(copies[0][0])
+                if arrivals and arrivals_open:
+                    pending.append(arrivals[0][0])
                 if pending:
                     now = min(pending)
                 gated = False
@@ -584,6 +765,7 @@ class Simulation:
                 # never ran is just put back.
                 victim = running.pop()
                 kept = m.preempt(victim.rid)
+                self.rows.pop(victim.rid, None)
                 victim.computed = kept
                 victim.target = victim.prompt + victim.generated
                 victim.in_prefill = True
@@ -602,6 +784,10 @@ class Simulation:
                 continue
             steps += 1
             start = now
+            if self.tables is not None:
+                self.tables.apply(plan)
+                if steps % K.HEAT_INTERVAL == 0:
+                    self._report_heat()
             stats = m.stats()
             # Copies to the host planned by this step start with it and overlap the forward.
             ids = plan.transfer_ids
@@ -630,13 +816,13 @@ class Simulation:
                 if host_only == 0:
                     continue
                 host_tokens = host_only * bt
-                f = min(1.0, host_tokens / max(1, info["seq_len"]))
+                f, miss = self._host_share(r.rid, info)
                 if r.in_prefill:
                     rows = min(float(host_tokens), cfg.top_k * (1 + (n - 1) * self.m1) * f)
                     missed = int(rows)
                 else:
                     rows = d.step_rows * f
-                    missed = self._binomial(rows, miss_rate(d.hot_rows / rows))
+                    missed = self._binomial(rows, miss)
                     hits += int(round(rows)) - missed
                     misses += missed
                 wait_bytes += missed * d.mla_row_all_layers
@@ -655,6 +841,8 @@ class Simulation:
                     running_area += n_running * span
                     mixed_area += (stats["mixed"] + stats["none"]) * span
                 max_running = max(max_running, n_running)
+                if steps % BREAKDOWN_EVERY == 0:
+                    self._sample_breakdown(breakdown, span, running, stats, len(waiting), refused_now, gated, start)
                 series_t.append(start)
                 series_n.append(n_running)
                 if self.trace is not None:
@@ -689,6 +877,10 @@ class Simulation:
             done_reqs = [r for r, _ in sched if not r.in_prefill and r.generated >= r.out]
             for r in done_reqs:
                 m.finish(r.rid)
+                self.rows.pop(r.rid, None)
+                self.shares.pop(r.rid, None)
+                if self.page_heat is not None:
+                    self.page_heat.forget(r.rid)
                 running.remove(r)
                 finished += 1
                 gated = False
@@ -715,7 +907,9 @@ class Simulation:
             "mode": cfg.mode,
             "policy": cfg.core_policy,
             "concurrency": cfg.concurrency,
-            "mean_running": running_area / busy_time if busy_time > 0 else 0.0,
+            # A request that never finished may have "run" for the whole point (restoring, or prefilling a
+            # prompt the node cannot serve): with nothing finished no running count reads as success.
+            "mean_running": (running_area / busy_time if busy_time > 0 else 0.0) if finished else None,
             "output_tok_s": out_tokens / horizon if horizon > 0 else 0.0,
             "ttft_s_p50": statistics.median(ttfts) if ttfts else None,
             "itl_ms_p50": statistics.median(itls) * 1e3 if itls else None,
@@ -724,6 +918,9 @@ class Simulation:
             "hit_rate": (hits / (hits + misses) if hits + misses > 0 else None) if tiers else None,
             "max_running": max_running,
             "mean_mixed": mixed_area / busy_time if busy_time > 0 else 0.0,
+            "h2d_bytes_per_token": total_h2d / out_tokens if out_tokens else None,
+            "gpu_blocks_breakdown": _breakdown(breakdown, BREAKDOWN_KEYS),
+            "admission": _breakdown(breakdown, LIMIT_KEYS),
             "unadmissions": unadmissions,
             "requests_arrived": self.arrived,
             "requests_finished": finished,
@@ -739,6 +936,29 @@ class Simulation:
                                             "preempted", "pending_transfers")},
             "series": (series_t, series_n),
         }
+
+
+#: A request's share of selections on host-only pages is recomputed when it has grown by this many pages (and
+#: whenever its host-only pages or its heat change).
+SHARE_PAGES = 4
+#: Every this many steps the simulation samples what the GPU blocks hold and what holds admission back.
+BREAKDOWN_EVERY = 8
+#: GPU blocks by use (time-weighted means): pages of requests still prefilling; pages of decoding requests in full
+#: residency; pages on the GPU of decoding requests in mixed/none residency (their tails and what is left);
+#: hot regions, split into the hot rows and the indexer keys of host-only history charged with them; released
+#: pages still readable (counted free); free; the rest (blocks pinned by copies in flight, shared prefixes).
+BREAKDOWN_KEYS = ("prefill_pages", "resident_full", "resident_tails", "hot_rows", "indexer_keys",
+                  "released_readable", "free", "other")
+#: Admission (time-weighted): requests waiting; admitted requests waiting for their restores; the share of time
+#: the core refused the next waiting request; the share of time admission was held after a preemption.
+LIMIT_KEYS = ("waiting", "restoring", "refused_by_core", "held_after_preemption")
+
+
+def _breakdown(acc: dict[str, float], keys: Sequence[str]) -> dict[str, float] | None:
+    t = acc["_time"]
+    if t <= 0:
+        return None
+    return {k: round(acc[k] / t, 3) for k in keys}
 
 
 def _chain_probability(mean_len: float, q: int) -> float:
@@ -758,20 +978,48 @@ def _chain_probability(mean_len: float, q: int) -> float:
 # --------------------------------------------------------------------------- runs
 
 
-def run_points(configs: Sequence[SimConfig], progress: bool = False) -> list[dict[str, Any]]:
+def failed_point(cfg: SimConfig, why: str) -> dict[str, Any]:
+    """A point that could not run (its pool holds no step, or it stopped making progress): no metric, the cause."""
+    return {"mode": cfg.mode, "policy": cfg.core_policy, "concurrency": cfg.concurrency, "error": why,
+            "mean_running": None, "output_tok_s": None, "ttft_s_p50": None, "itl_ms_p50": None, "preemptions": None,
+            "h2d_gb": None, "hit_rate": None, "requests_finished": 0, "series": ([], [])}
+
+
+def run_points(configs: Sequence[SimConfig], progress: bool = False,
+               refused: dict[int, str] | None = None, keep_going: bool = False) -> list[dict[str, Any]]:
+    """Runs the points in order. ``refused``: points known not to run (index -> why), reported as such;
+    ``keep_going``: a point that stops making progress is reported as failed and the others still run."""
     points = []
     bar = console.Progress(progress)
     bar.start("simulate")
     n = len(configs)
+    refused = refused or {}
     for i, cfg in enumerate(configs):
+        if i in refused:
+            points.append(failed_point(cfg, refused[i]))
+            continue
         label = f"{i + 1}/{n} {cfg.mode}/{cfg.core_policy} c={cfg.concurrency}"
 
         def tick(fraction: float, i: int = i, label: str = label) -> None:
             bar.update((i + fraction) / n, f"{label:<28} {fraction:4.0%}")
 
-        points.append(Simulation(cfg, progress=tick if progress else None).run())
+        try:
+            points.append(Simulation(cfg, progress=tick if progress else None).run())
+        except CapacityError as exc:
+            if not keep_going:
+                raise
+            points.append(failed_point(cfg, str(exc)))
     bar.close()
     return points
+
+
+def model_fields(model: str) -> dict[str, int]:
+    """The :class:`SimConfig` fields a model preset of ``hisparse calc`` sets: sparse-MLA and indexer layers, one
+    top-K per indexer (IndexShare followers reuse their leader's), top_k. The row sizes stay vLLM's fp8_ds_mla
+    (656 B) and indexer (132 B) rows; step time and prefill FLOPs stay GLM-5 measurements."""
+    preset = calc.MODELS[model]
+    return {"mla_layers": preset.layers, "indexer_layers": preset.indexers, "index_groups": preset.indexers,
+            "top_k": preset.top_k}
 
 
 def build_configs(args: argparse.Namespace) -> list[SimConfig]:
@@ -786,6 +1034,10 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
                     seed=args.seed, kv_hbm_gib=args.kv_hbm_gib, hot_rows=args.hot_rows,
                     adaptive_hot_rows=args.adaptive_hot_rows, speculative_tokens=args.mtp,
                     accept_length=min(args.accept_length, args.mtp + 1.0) if args.mtp else 1.0,
+                    turns=args.turns, first_turn_tokens=args.first_turn_tokens,
+                    later_turn_tokens=args.later_turn_tokens, output_tokens=args.output_tokens,
+                    max_model_len=args.max_model_len, model=args.model, gpu=args.gpu,
+                    arrival_spread_s=args.arrival_spread, **model_fields(args.model),
                 ))
     return configs
 
@@ -793,7 +1045,7 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
 def describe(cfg: SimConfig) -> dict[str, Any]:
     d = derive(cfg)
     return {
-        "model": K.MODEL, "gpu": cfg.gpu, "tp": cfg.tp, "kv_hbm_gib": d.kv_hbm_gib,
+        "model": cfg.model, "gpu": cfg.gpu, "tp": cfg.tp, "kv_hbm_gib": d.kv_hbm_gib,
         "gpu_block_bytes": d.gpu_block_bytes, "gpu_blocks": d.num_gpu_blocks, "watermark": d.watermark,
         "speculative_tokens": cfg.speculative_tokens, "accept_length": cfg.accept_length,
         "top_k": cfg.top_k, "decode_step_ms": cfg.decode_step_s * 1e3,
@@ -832,7 +1084,14 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
     head = ("mode", "policy", "c", "running", "max", "mixed", "out tok/s", "TTFT p50 s", "ITL p50 ms",
             "preempt", "H2D GB", "hit rate", "turns")
     rows = []
+    notes = []
     for p in result["points"]:
+        if p.get("error") or p["mean_running"] is None:
+            notes.append(f"  {p['mode']}/{p['policy']} c={p['concurrency']}: "
+                         + (p.get("error") or "no request finished: no metric is shown"))
+            rows.append((p["mode"], p["policy"], str(p["concurrency"]), *(["-"] * (len(head) - 4)),
+                         str(p["requests_finished"])))
+            continue
         rows.append((
             p["mode"], p["policy"], str(p["concurrency"]), f"{p['mean_running']:.1f}", str(p["max_running"]),
             f"{p['mean_mixed']:.1f}", f"{p['output_tok_s']:.0f}",
@@ -844,9 +1103,28 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
     lines.append(console.format_table(rows, head=head, align="ll" + "r" * (len(head) - 2), rule=True))
     lines.append("running = mean of non-zero samples of running requests (the blog's metric); mixed = of them "
                  "in mixed/none residency; published at c=32: offload 5-6, hisparse 19-25")
+    if notes:
+        lines.append("points without a result:")
+        lines.extend(notes)
+    comparison = result.get("policy_comparison")
+    if comparison:
+        lines.append("coldest vs fifo (hisparse): c, running, hit rate, host-link bytes per output token")
+        for row in comparison:
+            cells = []
+            for pol in TIER_POLICIES:
+                x = row[pol]
+                hit = "-" if x["hit_rate"] is None else f"{x['hit_rate']:.1%}"
+                bpt = "-" if x["h2d_mb_per_token"] is None else f"{x['h2d_mb_per_token']:.1f} MB"
+                run = "-" if x["mean_running"] is None else f"{x['mean_running']:.1f}"
+                cells.append(f"{pol} {run} / {hit} / {bpt}")
+            lines.append(f"  c={row['concurrency']}: " + ";  ".join(cells))
     if wall_s is not None:
         lines.append(f"wall time {wall_s:.1f} s")
     return "\n".join(lines)
+
+
+#: The published running requests at concurrency 32 (vLLM blog, GLM-5.3 on 8xH200), drawn on the plot.
+PUBLISHED_BANDS = {32: (("offload", 5, 6), ("hisparse", 19, 25))}
 
 
 def plot(points: list[dict[str, Any]], path: str) -> None:
@@ -856,17 +1134,24 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     conc = sorted({p["concurrency"] for p in points})
-    fig, axes = plt.subplots(len(conc), 1, figsize=(9, 2.4 * len(conc)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(conc), 1, figsize=(11, 2.4 * len(conc)), sharex=True, squeeze=False)
+    colors = {"offload/resident": "tab:gray", "hisparse/fifo": "tab:blue", "hisparse/coldest": "tab:orange"}
     for ax, c in zip(axes[:, 0], conc, strict=True):
+        for mode, lo, hi in PUBLISHED_BANDS.get(c, ()):
+            ax.axhspan(lo, hi, color="tab:green" if mode == "hisparse" else "tab:red", alpha=0.12, lw=0,
+                       label=f"published {mode} {lo}-{hi}")
         for p in points:
             if p["concurrency"] != c:
                 continue
             ts, ns = p["series"]
             stride = max(1, len(ts) // 3000)
-            ax.step(ts[::stride], ns[::stride], where="post", lw=0.8,
-                    label=f"{p['mode']}/{p['policy']} (mean {p['mean_running']:.1f})")
+            key = f"{p['mode']}/{p['policy']}"
+            mean = "no request finished" if p["mean_running"] is None else f"mean {p['mean_running']:.1f}"
+            ax.step(ts[::stride], ns[::stride], where="post", lw=0.8, color=colors.get(key),
+                    label=f"{key} ({mean})")
         ax.set_ylabel(f"running, c={c}")
-        ax.legend(loc="upper right", fontsize=7)
+        # Outside the axes, so that it never hides a curve.
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("simulated time (s)")
     fig.suptitle("Running requests over time")
@@ -878,48 +1163,101 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
+HELP = """Simulates one serving node step by step -- a vLLM-like scheduler around the real residency core -- for
+a multi-turn workload, and reports running requests, tokens/s, latencies, host-link traffic and hot-buffer hit
+rates for plain residency with CPU offload ("offload") and Hybrid HiSparse ("hisparse", policies coldest and fifo).
+Defaults: the vLLM blog's GLM-5.3 benchmark on 8xH200 (13 turns, 74,160-token first turn, 753-token later turns,
+220 output tokens, concurrency 1-32). The README's "hisparse simulate" section gives the model and its sources."""
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``simulate`` on an ``argparse`` subparsers object (``set_defaults(func=main)``)."""
-    p = subparsers.add_parser("simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser("simulate", description=HELP, help="step-level serving simulation of one node")
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--policy", choices=(*TIER_POLICIES, "both"), default="both",
                    help="hisparse pressure policy (offload always runs the core's 'resident')")
-    p.add_argument("--concurrency", type=positive_int_list, default=list(K.CONCURRENCY),
+    p.add_argument("--concurrency", metavar="C[,C...]", type=positive_int_list, default=list(K.CONCURRENCY),
                    help="comma-separated conversations in flight (default 1,8,16,24,32)")
-    p.add_argument("--duration", type=positive_float, default=1800.0,
+    p.add_argument("--duration", metavar="S", type=positive_float, default=1800.0,
                    help="simulated seconds per point (default 1800)")
-    p.add_argument("--steps", type=positive_int, default=None, help="stop a point after this many steps")
-    p.add_argument("--seed", type=seed, default=0)
-    hot = p.add_mutually_exclusive_group()
-    hot.add_argument("--hot-rows", type=positive_int, default=None,
+    p.add_argument("--steps", metavar="N", type=positive_int, default=None, help="stop a point after this many steps")
+    p.add_argument("--seed", metavar="N", type=seed, default=0)
+    w = p.add_argument_group("workload")
+    w.add_argument("--turns", metavar="N", type=int_range(1, 10_000), default=K.TURNS,
+                   help="turns per conversation (default 13)")
+    w.add_argument("--first-turn-tokens", metavar="N", type=int_range(1, U32_MAX), default=K.FIRST_TURN_TOKENS,
+                   help="prompt of the first turn (default 74,160)")
+    w.add_argument("--later-turn-tokens", metavar="N", type=int_range(0, U32_MAX), default=K.LATER_TURN_TOKENS,
+                   help="new user tokens of each later turn, after the whole conversation (default 753)")
+    w.add_argument("--output-tokens", metavar="N", type=int_range(1, U32_MAX), default=K.OUTPUT_TOKENS,
+                   help="output tokens per turn (default 220)")
+    w.add_argument("--max-model-len", metavar="N", type=int_range(1, U32_MAX), default=K.MAX_MODEL_LEN,
+                   help="admission limit in tokens (default 142,000; at most the model's positions)")
+    w.add_argument("--arrival-spread", type=nonnegative_float, default=K.ARRIVAL_SPREAD_S, metavar="S",
+                   help=f"users' first requests spread evenly over S seconds (default {K.ARRIVAL_SPREAD_S:g}; 0: all "
+                        "at t = 0)")
+    dep = p.add_argument_group("deployment")
+    dep.add_argument("--model", type=str.lower, choices=sorted(calc.MODELS), default=K.MODEL, metavar="NAME",
+                     help=f"{', '.join(sorted(calc.MODELS))} (hisparse calc's presets; default {K.MODEL})")
+    dep.add_argument("--gpu", type=str.lower, choices=sorted(calc.GPU_MEMORY_GB), default=K.GPU, metavar="NAME",
+                     help=f"{', '.join(sorted(calc.GPU_MEMORY_GB))} (default {K.GPU}; the step time stays the H200 "
+                          "measurement)")
+    dep.add_argument("--kv-hbm-gib", metavar="GIB", type=positive_gib, default=None,
+                     help="KV HBM per GPU, at most the GPU's memory (default: hisparse calc's, 17.8 GiB for GLM-5.3 "
+                          "on 8xH200; vLLM's own profiling leaves ~26 GiB)")
+    hot = dep.add_mutually_exclusive_group()
+    hot.add_argument("--hot-rows", metavar="N", type=positive_int, default=None,
                      help="hot rows per request (default (MTP + 2) x top_k = 10,240)")
     hot.add_argument("--adaptive-hot-rows", action="store_true",
                      help="the largest hot buffer that lets every request of the concurrency run at steady state")
-    p.add_argument("--kv-hbm-gib", type=positive_gib, default=None,
-                   help="KV HBM per GPU (default: hisparse calc's, 17.8 GiB; FACTS.md quotes ~26 GiB measured)")
-    p.add_argument("--mtp", type=int_range(0, 7), default=K.SPECULATIVE_TOKENS, metavar="Q",
-                   help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
-    p.add_argument("--accept-length", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
-                   help="mean tokens per decode step with MTP (default 3.48, measured)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    dep.add_argument("--mtp", type=int_range(0, 7), default=K.SPECULATIVE_TOKENS, metavar="Q",
+                     help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
+    dep.add_argument("--accept-length", metavar="X", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
+                     help="mean tokens per decode step with MTP (default 3.48, measured)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object: every point with its GPU block breakdown, and coldest vs fifo")
     p.add_argument("--plot", metavar="PNG", type=plot_path, default=None,
                    help="draw running requests over time per mode (.png, .pdf or .svg; the folder must exist)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress on stderr (a bar on a terminal; elsewhere a line every few seconds once a run "
-                        "has lasted two)")
+                   help="no progress on stderr")
     p.set_defaults(func=main)
 
 
-def simulate(configs: Sequence[SimConfig], progress: bool = False) -> dict[str, Any]:
-    """Runs the points; returns the JSON-ready result (series left out) and the raw points."""
-    points = run_points(configs, progress=progress)
+def policy_comparison(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """coldest and fifo side by side at each concurrency both ran: running, hit rate, host-link bytes per token."""
+    by: dict[int, dict[str, dict[str, Any]]] = {}
+    for p in points:
+        if p["mode"] == "hisparse" and p["policy"] in TIER_POLICIES:
+            by.setdefault(p["concurrency"], {})[p["policy"]] = p
+    rows = []
+    for c, pols in sorted(by.items()):
+        if len(pols) < len(TIER_POLICIES):
+            continue
+        row: dict[str, Any] = {"concurrency": c}
+        for pol, p in pols.items():
+            bpt = p.get("h2d_bytes_per_token")
+            row[pol] = {"mean_running": p["mean_running"], "hit_rate": p["hit_rate"],
+                        "h2d_mb_per_token": None if bpt is None else bpt / 1e6, "output_tok_s": p["output_tok_s"]}
+        rows.append(row)
+    return rows
+
+
+def simulate(configs: Sequence[SimConfig], progress: bool = False, refused: dict[int, str] | None = None,
+             keep_going: bool = False) -> dict[str, Any]:
+    """Runs the points; returns the JSON-ready result (series left out) and the raw points. ``refused`` and
+    ``keep_going``: see :func:`run_points`."""
+    refused = refused or {}
+    points = run_points(configs, progress=progress, refused=refused, keep_going=keep_going)
     modes: dict[str, Any] = {}
-    for cfg in configs:
-        modes.setdefault(f"{cfg.mode}/{cfg.core_policy}", mode_details(cfg))
+    for i, cfg in enumerate(configs):
+        if i not in refused:
+            modes.setdefault(f"{cfg.mode}/{cfg.core_policy}", mode_details(cfg))
+    first = next(cfg for i, cfg in enumerate(configs) if i not in refused)
     return {
-        "config": describe(configs[0]),
+        "config": describe(first),
         "modes": modes,
         "points": points,
+        "policy_comparison": policy_comparison(points),
     }
 
 
@@ -936,6 +1274,7 @@ SAMPLE_BYTES = 48  # one step of the running-requests series (a float, an int, t
 LATENCY_BYTES = 32  # one TTFT or inter-token-latency sample (a float and a list slot)
 CORE_BLOCK_BYTES = 64  # the core's bookkeeping of one GPU or host block
 CORE_PAGE_BYTES = 16  # one page-table entry of one running request in the core
+TABLE_PAGE_BYTES = 6  # hisparse mode: one page of the worker tables the heat model keeps (heat, releasable, host)
 
 
 def estimate_memory(configs: Sequence[SimConfig]) -> tuple[float, str]:
@@ -955,7 +1294,8 @@ def estimate_memory(configs: Sequence[SimConfig]) -> tuple[float, str]:
         max_pages = -(-cfg.max_model_len // cfg.block_tokens)
         transient = (cfg.concurrency * REQUEST_BYTES + steps * running * LATENCY_BYTES
                      + (d.num_gpu_blocks + d.num_host_blocks) * CORE_BLOCK_BYTES
-                     + running * max_pages * CORE_PAGE_BYTES)
+                     + running * max_pages * CORE_PAGE_BYTES
+                     + (cfg.max_num_seqs * max_pages * TABLE_PAGE_BYTES if cfg.mode == "hisparse" else 0))
         kept += steps * SAMPLE_BYTES
         if transient > peak:
             peak = transient
@@ -968,12 +1308,27 @@ def main(args: argparse.Namespace) -> int:
     """``hisparse simulate``. The memory check and every point's configuration (sizes and the core's own checks)
     come before the first point runs, so a bad flag fails at once; errors reach the command line as one line."""
     configs = build_configs(args)
-    need, what = estimate_memory(configs)
-    console.require_memory(need, what, "lower --concurrency, --duration or --steps")
     for cfg in configs:
-        Simulation(cfg)
+        cfg.validate()
+    # A point whose GPU pool can never hold one step is refused before anything runs; under --mode both it is
+    # reported as such (offload keeps a request whole, so a 1M-token context never fits it) and the rest runs.
+    refused: dict[int, str] = {}
+    for i, cfg in enumerate(configs):
+        try:
+            derive(cfg)
+        except PoolTooSmall as exc:
+            if args.mode != "both" or all(c.mode == cfg.mode for c in configs):
+                raise
+            refused[i] = str(exc)
+    if len(refused) == len(configs):
+        raise PoolTooSmall(next(iter(refused.values())))
+    need, what = estimate_memory([c for i, c in enumerate(configs) if i not in refused])
+    console.require_memory(need, what, "lower --concurrency, --duration or --steps")
+    for i, cfg in enumerate(configs):
+        if i not in refused:
+            Simulation(cfg)
     t0 = time.monotonic()
-    result = simulate(configs, progress=args.progress)
+    result = simulate(configs, progress=args.progress, refused=refused, keep_going=args.mode == "both")
     wall = time.monotonic() - t0
     if args.plot:
         plot(result["points"], args.plot)

@@ -1,0 +1,39 @@
+"""The selection model: its calibration predicts the held-out published miss rate, and its streams behave."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hisparse.tools import locality
+
+
+def test_fit_on_1x_and_4x_predicts_2x_within_20_percent():
+    r = locality.check(held_out=1, quick=True)
+    by_role = {p["role"]: p for p in r["points"] if p["role"] == "held out"}
+    held = by_role["held out"]
+    assert held["ratio"] == 2.0 and held["published"] == 0.134
+    assert abs(held["rel_error"]) <= 0.20, r
+    fitted = [p for p in r["points"] if p["role"] == "fitted"]
+    assert all(abs(p["rel_error"]) <= 0.10 for p in fitted), r
+    # consecutive positions share most of their top-K, not all of it
+    assert 0.5 < r["overlap"] < 0.9
+
+
+def test_a_stream_selects_top_k_rows_with_sinks_and_window():
+    p = locality.Params(context=20_000)
+    s = locality.SelectionStream(p, seed=1)
+    rows = s.select()
+    assert len(np.unique(rows)) == len(rows) <= p.top_k
+    assert len(rows) > 0.9 * p.top_k
+    assert set(range(p.sink_tokens)) <= set(rows.tolist())
+    assert set(range(20_000 - p.window_tokens, 20_000)) <= set(rows.tolist())
+    assert rows.max() < 20_000
+    nxt = s.select()  # one position later: the window moved by one
+    assert 20_000 in set(nxt.tolist())
+
+
+def test_lru_counter_at_one_step_of_rows_is_one_minus_overlap():
+    lru = locality.LruCounter([4], rows=16, steps=3)
+    lru.step(np.array([0, 1, 2, 3]), record=False)
+    lru.step(np.array([2, 3, 4, 5]), record=True)  # 2 of 4 were used by the last step
+    assert lru.miss_rates() == [0.5]
