@@ -50,9 +50,17 @@ Heat is counted in the workers, on the device, from vLLM's own resolver path: th
 makes vLLM's index-group leader runtimes count the top-K they resolve (inside the forward vLLM captures in
 CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path's ranking, and sends the
 core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
-``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does. The
+``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does; the
+free-queue moves a summary asks for are made a bounded number per step (``HEAT_MOVES_PER_STEP``). The
 counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
 its GPU check (run by ``benches/gpu_check.sh``).
+
+A worker that dies and is replaced has lost its GPU cache, its pinned host pool and the transfers it had
+in flight. vLLM's recovery is ``Scheduler.reset_prefix_cache(reset_running_requests=True,
+reset_connector=True)``: every request is preempted and recomputes, and both pools forget their prefixes. The
+coordinator gives back the pins of the dead worker's transfers first (``forget_worker_state``), without
+which vLLM's pool reset fails (it does with vLLM's own connector); late reports of those transfers are
+ignored. ``tests/test_vllm_rebuild.py`` rebuilds the harness's worker mid-serving and checks every row read.
 
 What does not survive: one hot region shared by every index group. vLLM's layout gives each group of up to
 12 layers its own hot blocks (``v1/hisparse/layout.py``); re-packing means changing that layout, the spec
