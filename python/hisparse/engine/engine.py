@@ -365,8 +365,10 @@ class Engine:
         return out
 
     def _plan(self) -> tuple[WorkerStep | None, list[tuple[_Request, int]]]:
-        """Plans a step; when it does not fit: prefill waits for the decodes, then chunks shrink, then the
-        newest request is preempted."""
+        """Plans a step; when it does not fit: prefill chunks shrink (down to one page), then prefill waits for
+        the decodes, then the newest request is preempted. Shrinking first keeps a request admitted into a full
+        pool prefilling a page at a time beside the decodes, where waiting would leave it stalled until they
+        end."""
         prefill, max_chunk = True, self.config.max_batched_tokens
         shrunk = False
         while True:
@@ -381,11 +383,10 @@ class Engine:
             shrunk = True
             has_decode = any(len(r.tokens) - r.computed == 1 for r, _ in batch)
             has_prefill = any(len(r.tokens) - r.computed > 1 for r, _ in batch)
-            if prefill and has_decode and has_prefill:
-                prefill = False
-            elif has_prefill and max_chunk > self.config.block_size:
+            if has_prefill and max_chunk > self.config.block_size:
                 max_chunk = max(self.config.block_size, max_chunk // 2)
-                prefill = True
+            elif prefill and has_decode and has_prefill:
+                prefill = False
             elif len(self.running) > 1:
                 self.preempt(self.running[-1].id)
                 prefill, max_chunk = True, self.config.max_batched_tokens
