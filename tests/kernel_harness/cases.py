@@ -706,6 +706,51 @@ def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
     run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(1, HS_BAD_HOT)])
 
 
+def _window_edges(u_windowed: bool):
+    """The windowed path (more distinct positions than resolve's table takes: windows of 2 * MIN_TABLE positions)
+    with positions on every window boundary: each boundary b and b - 1 selected, and resolve's batch rows
+    (shared memory just past the table) starting at batch row ``pad`` >= 1 (padding rows first), so that a window
+    that takes one position too many (index == window) reads or writes that array and changes what the request
+    resolves, on every seed.
+
+    Without ``u_windowed``: U small (every page resident but those of half the boundaries), and the request's
+    first elements (q = 0 .. 3, so q == pad for one) select boundaries: windowed first occurrences. With it: U
+    past the table too (4,096 distinct misses and hits, H = 4,096), every boundary cached in some slot and
+    selected (after U's first four elements): windowed lookups of U."""
+
+    def run(h: Harness, seed: int, preempt: float) -> None:
+        rng = random.Random(seed)
+        pad = rng.randint(1, 3)
+        K, bs, P = 1024, 16, 4096
+        H = 4096 if u_windowed else 256
+        case = make_case(seed, S=1, R=pad + 4, P=P, bs=bs, G=1, H=H, K=K, L=1, rb=16, dup=0.0, full_seq=True,
+                         hot_fill=0.3, resident=0.0 if u_windowed else 1.0)
+        length = P * bs
+        window = 2 * launch.MIN_TABLE
+        bounds = list(range(window, length, window))
+        edges = sorted({*bounds, *(b - 1 for b in bounds)})
+        others = rng.sample([x for x in range(length) if x not in set(edges)], 4 * K - len(edges))
+        if u_windowed:
+            picked = others[:4] + rng.sample(edges + others[4:], len(edges) + len(others) - 4)
+            cached = set(case["hot_pos"][0, 0].tolist())
+            free = [s for s in range(H) if int(case["hot_pos"][0, 0, s]) not in set(edges)]
+            for b, slot in zip([b for b in edges if b not in cached], rng.sample(free, len(edges)), strict=False):
+                case["hot_pos"][0, 0, slot] = b
+        else:
+            first = rng.sample(bounds, 4)
+            rest = [x for x in edges if x not in first] + others
+            picked = first + rng.sample(rest, len(rest))
+            for b in rng.sample(bounds, len(bounds) // 2):
+                case["block_table"][0, b // bs] = 0
+                case["block_table"][0, (b - 1) // bs] = 0
+        case["row_state"] = torch.tensor([-rng.randint(1, 3)] * pad + [0] * 4, dtype=torch.int32)
+        case["topk"] = torch.full((pad + 4, K), -1, dtype=torch.int32)
+        case["topk"][pad:] = torch.tensor(picked, dtype=torch.int32).view(4, K)
+        run_resolve(h, case, group=0, seed=seed, preempt=preempt, max_smem=table_smem(launch.MIN_TABLE, case))
+
+    return run
+
+
 def _gather(h: Harness, seed: int, preempt: float) -> None:
     rng = random.Random(seed)
     case = make_case(seed, S=1, P=8, bs=4, H=8, L=1, rb=rng.choice([16, 48, 656]))
@@ -725,6 +770,8 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "bounds_resolve": _bounds_resolve,
     "bounds_invalidate": _bounds_invalidate,
     "hot_blocks_past_one_window": _hot_blocks_past_one_window,
+    "window_edges": _window_edges(False),
+    "window_edges_u": _window_edges(True),
     "bad_state_rows": _bad_state_rows,
     "sequence": _sequence,
     "replay_layers": _replay_layers,
