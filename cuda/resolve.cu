@@ -7,6 +7,8 @@
 #define INVALIDATE_THREADS 256
 // Pairs invalidate takes per pass; its set of their positions has twice as many entries, so it never fills.
 #define INVALIDATE_BATCH 2048
+// Consecutive elements a thread takes per round of resolve's first-occurrence pass.
+#define ELEMENT_RUN 4
 
 // Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
 // by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
@@ -142,16 +144,23 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (tid == 0) plan_count[i0] = 0;
     return;
   }
-  bool not_first = false;
-  for (int k = tid; k < i0; k += nt) not_first |= row_state[k] == r;
+  bool not_first = false, later = false;
+  for (int k = tid; k < R; k += nt) {
+    if (row_state[k] == r) (k < i0 ? not_first : later) |= k != i0;
+  }
   if (__syncthreads_or(not_first)) return;
-  int n_rows = 0;
-  for (int k0 = i0; k0 < R; k0 += nt) {
-    const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
-    int total;
-    const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums);
-    if (mine) rows[o] = k0 + tid;
-    n_rows += total;
+  int n_rows = 1;
+  if (!__syncthreads_or(later)) {  // a request of one batch row (a decode step without speculation): no scan
+    if (tid == 0) rows[0] = i0;
+  } else {
+    n_rows = 0;
+    for (int k0 = i0; k0 < R; k0 += nt) {
+      const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
+      int total;
+      const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums);
+      if (mine) rows[o] = k0 + tid;
+      n_rows += total;
+    }
   }
 
   const int* bt_row = block_table + (i64)r * P;
@@ -199,17 +208,33 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
 
   int n = 0;  // |U|
   if (!s_full) {
-    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-      const int pos = position(gi, active);
-      const bool first = pos >= 0 && table_value(tab, cap, pos) == q;
-      add_heat(heat_row, first ? pos / bs : -1);
-      const int block = first ? block_of(pos) : 1;
-      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+    // Each thread takes ELEMENT_RUN consecutive elements per round, so one scan orders a round of
+    // ELEMENT_RUN * blockDim elements (a decode row of K = 2048 takes one round).
+    const int count = n_rows * K;
+    for (int r0 = 0; r0 < count; r0 += ELEMENT_RUN * nt) {
+      const int q0 = r0 + tid * ELEMENT_RUN;
+      int u_pos_of[ELEMENT_RUN];
+      u32 in_u = 0;  // bit u: element q0 + u is the first occurrence of a position of U
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        const int q = q0 + u;
+        const bool active = q < count;
+        const int pos = position(active ? (u32)rows[q / K] * (u32)K + (u32)(q % K) : 0u, active);
+        const bool first = pos >= 0 && table_value(tab, cap, pos) == (u32)q;
+        add_heat(heat_row, first ? pos / bs : -1);
+        const int block = first ? block_of(pos) : 1;
+        if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+        u_pos_of[u] = pos;
+        if (block == 0) in_u |= 1u << u;
+      }
       int total;
-      const int t = n + block_exclusive_scan(block == 0, &total, warp_sums);
-      if (block == 0) entry(t)[0] = u_word(pos, HS_NONE);
+      int t = n + block_exclusive_scan(__popc(in_u), &total, warp_sums);
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        if ((in_u >> u) & 1) entry(t++)[0] = u_word(u_pos_of[u], HS_NONE);
+      }
       n += total;
-    });
+    }
   } else {
     // More distinct positions than the table takes: windows of positions, where a direct-mapped array of
     // first request indices needs no probing; out[gi] marks U's members (-1 for the others) until they are
@@ -248,8 +273,9 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Runs consume(find), find(pos) = the index of pos in U or HS_NONE: through the hash table of U when U fits
   // it (built when `build`; nothing else writes tab once it is), else once per window of positions, where
   // find answers only for the window's positions: consumers act on found positions alone, so each acts once.
-  // Every consumer action is complete block-wide when it returns.
-  auto with_u_map = [&](bool build, auto consume) {
+  // Every consumer action is complete block-wide when it returns, except, on the hash path, when `sync` is false
+  // (the caller's last use: nothing after it reads what consume writes, nor writes what it reads).
+  auto with_u_map = [&](bool build, bool sync, auto consume) {
     if (n <= limit) {
       if (build) {
         for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
@@ -258,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         __syncthreads();
       }
       consume([&](int pos) { return pos >= 0 ? table_value(tab, cap, pos) : HS_NONE; });
-      __syncthreads();
+      if (sync) __syncthreads();
     } else {
       u32* index_at = (u32*)tab;
       for (u32 w = 0; w < (u32)len; w += window) {
@@ -320,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   int n_miss = 0;
   if (ok) {
     for (int k = tid; k < words; k += nt) bits[k] = 0;
-    with_u_map(true, [&](auto find) {
+    with_u_map(true, true, [&](auto find) {
       int hits = 0;
       // Runs of 4: with 8 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
       for_each_loaded<4>(hp, H, [&](int s, int pos) {
@@ -338,8 +364,9 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     ok = !s_dup;
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
-  // Check 4: every miss's page has a host copy inside the pool.
-  if (ok) {
+  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: with_u_map's barrier.)
+  if (ok) n_miss = n - s_hits;
+  if (ok && n_miss > 0) {
     int flags = 0;
     for (int t = tid; t < n; t += nt) {
       const u64 word = entry(t)[0];
@@ -351,7 +378,6 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     __syncthreads();
     ok = s_host == 0;
     if (!ok && tid == 0) s_status |= s_host;
-    n_miss = n - s_hits;
   }
 
   if (ok) {
@@ -370,20 +396,26 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         warp_sums);
 
     // Phase D: U in order. Miss m takes slot E[m] (word 1 of entry m, written above: the scan's barrier orders
-    // it); every slot of U goes to the LRU tail in U's order.
-    block_runs<u64, 4>(
-        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
-        [&](int t, u64 word, bool miss, int m) {
-          u32 slot = u_slot(word);
-          if (miss) {
-            slot = (u32)entry(m)[1];
-            entry(t)[0] = u_word(u_pos(word), slot);
-          }
-          hp[slot] = u_pos(word);
-          lru[H - n + t] = (int)slot;
-        },
-        warp_sums);
-    __syncthreads();  // U's slots are complete
+    // it); every slot of U goes to the LRU tail in U's order. Without misses every slot of U is known and holds
+    // its position already: no scan, and nothing after this reads what it writes (the LRU's tail, which phase C
+    // did not write).
+    if (n_miss > 0) {
+      block_runs<u64, 4>(
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
+          [&](int t, u64 word, bool miss, int m) {
+            u32 slot = u_slot(word);
+            if (miss) {
+              slot = (u32)entry(m)[1];
+              entry(t)[0] = u_word(u_pos(word), slot);
+            }
+            hp[slot] = u_pos(word);
+            lru[H - n + t] = (int)slot;
+          },
+          warp_sums);
+      __syncthreads();  // U's slots are complete
+    } else {
+      for (int t = tid; t < n; t += nt) lru[H - n + t] = (int)u_slot(entry(t)[0]);
+    }
   }
 
   // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
@@ -394,7 +426,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     out[gi] = block > 0 ? block * bs + pos % bs : -1;
   });
   if (ok) {
-    with_u_map(false, [&](auto find) {
+    // Phase F below rewrites the entries this reads: only then must every lookup be done first.
+    with_u_map(false, n_miss > 0, [&](auto find) {
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
         const int pos = position(gi, active);
         if (pos < 0 || block_of(pos) != 0) return;
@@ -405,16 +438,18 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
 
     // Phase F: the plan. Misses (the slots of U that held no hit) in U's order, compacted in place
     // (block_runs: miss m lands in entry m <= t).
-    block_runs<u64, 4>(
-        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
-        [&](int, u64 word, bool miss, int m) {
-          if (!miss) return;
-          const int pos = u_pos(word);
-          u64* pair = entry(m);
-          pair[0] = (u64)(i64)hot_row(u_slot(word));
-          pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
-        },
-        warp_sums);
+    if (n_miss > 0) {
+      block_runs<u64, 4>(
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
+          [&](int, u64 word, bool miss, int m) {
+            if (!miss) return;
+            const int pos = u_pos(word);
+            u64* pair = entry(m);
+            pair[0] = (u64)(i64)hot_row(u_slot(word));
+            pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
+          },
+          warp_sums);
+    }
   }
   const int planned = ok ? n_miss : 0;
   for (int o = tid; o < n_rows; o += nt) plan_count[rows[o]] = min(max(planned - o * K, 0), K);
