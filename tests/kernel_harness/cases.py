@@ -479,6 +479,11 @@ RESOLVE_KINDS: dict[str, dict] = {
     "hits_without_host": {"hits_without_host": 0, "H": 256, "hot_fill": 0.6, "resident": 0.2, "G": 1},
     "block_size_1": {"bs": 1, "P": 600, "H": 100},
     "decode_shape": {"S": 3, "R": 3, "P": 256, "bs": 64, "H": 4096, "K": 2048, "rb": 16, "L": 1, "G": 1},
+    # hot regions of 32,768 rows (LRU passes of several rounds): all hits, and hits with misses
+    "hit_only_h32768": {"S": 2, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,
+                        "from_hot": True, "hot_fill": 1.0, "resident": 0.0, "full_seq": True},
+    "mixed_h32768": {"S": 1, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,
+                     "hot_fill": 0.6, "resident": 0.2, "full_seq": True},
     # more distinct positions than the hash table takes (3/4 of its smallest size, 4096 entries, which a GPU
     # short of shared memory leaves): windowed first occurrences
     "wide_union": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "resident": 0.95, "dup": 0.0,
@@ -703,6 +708,7 @@ def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
         case["hot_blocks"][r] = torch.tensor([b + w for b in low[32 * r: 32 * r + 32] for w in (0, window)],
                                              dtype=torch.int32)
     case["hot_blocks"][1, 5] = case["hot_blocks"][1, 3]  # odd entries lie in the second window
+    case["row_state"][rng.randrange(4)] = 1  # request 1 resolves on every seed
     run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(1, HS_BAD_HOT)])
 
 
@@ -787,4 +793,4 @@ FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "inva
          "speculative", "no_host_copy", "copy_rows", "copy_blocks", "gather")
 KINDS = {k: _ALL_KINDS[k] for k in (*FIRST, *(k for k in _ALL_KINDS if k not in FIRST))}
 # Kinds that take seconds on the harness; the suite runs them in its first round only.
-SLOW = {"decode_shape", "clamped_5_rows"}
+SLOW = {"decode_shape", "clamped_5_rows", "hit_only_h32768", "mixed_h32768"}
