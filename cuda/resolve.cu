@@ -128,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_more_rows;
 
   u64* tab = smem;
   int* rows = (int*)(tab + cap);
@@ -148,20 +148,9 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   for (int k = tid; k < R; k += nt) {
     if (row_state[k] == r) (k < i0 ? not_first : later) |= k != i0;
   }
+  if (tid == 0) s_more_rows = 0;
   if (__syncthreads_or(not_first)) return;
-  int n_rows = 1;
-  if (!__syncthreads_or(later)) {  // a request of one batch row (a decode step without speculation): no scan
-    if (tid == 0) rows[0] = i0;
-  } else {
-    n_rows = 0;
-    for (int k0 = i0; k0 < R; k0 += nt) {
-      const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
-      int total;
-      const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums);
-      if (mine) rows[o] = k0 + tid;
-      n_rows += total;
-    }
-  }
+  if (later) s_more_rows = 1;  // read after phase A's first barrier
 
   const int* bt_row = block_table + (i64)r * P;
   const int* ht_row = host_table + (i64)r * P;
@@ -197,8 +186,22 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     s_dup = 0;
     s_host = 0;
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
+    rows[0] = i0;
   }
-  __syncthreads();  // also publishes rows
+  __syncthreads();  // also publishes rows[0] and s_more_rows
+  // The request's batch rows: i0 alone (a decode step without speculation: no scan), or every row of r.
+  int n_rows = 1;
+  if (s_more_rows) {
+    n_rows = 0;
+    for (int k0 = i0; k0 < R; k0 += nt) {
+      const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
+      int total;
+      const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums, k0 + nt < R);
+      if (mine) rows[o] = k0 + tid;
+      n_rows += total;
+    }
+    __syncthreads();  // publishes rows
+  }
   int* claimed = n_rows * K > limit ? &s_claimed : nullptr;  // a selection larger than the table may fill it
   for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
     const int pos = position(gi, active);
@@ -227,8 +230,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         u_pos_of[u] = pos;
         if (block == 0) in_u |= 1u << u;
       }
-      int total;
-      int t = n + block_exclusive_scan(__popc(in_u), &total, warp_sums);
+      int total;  // the last round's scan needs no last barrier: the checks pass barriers before the next scan
+      int t = n + block_exclusive_scan(__popc(in_u), &total, warp_sums, r0 + ELEMENT_RUN * nt < count);
 #pragma unroll
       for (int u = 0; u < ELEMENT_RUN; ++u) {
         if ((in_u >> u) & 1) entry(t++)[0] = u_word(u_pos_of[u], HS_NONE);
@@ -382,8 +385,9 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
 
   if (ok) {
     // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries (word 1); E[|M| ..)
-    // move to the front, in place (block_runs: an entry moves to an index no larger than its own).
-    block_runs<u32>(
+    // move to the front, in place (block_runs: an entry moves to an index no larger than its own). Runs of 16:
+    // one round (one scan) for a region of up to 16,384 slots.
+    block_runs<u32, 16>(
         H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return !test_bit(bits, s); },
         [&](int, u32 s, bool evictable, int e) {
           if (!evictable) return;
@@ -393,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
             lru[e - n_miss] = (int)s;
           }
         },
-        warp_sums);
+        warp_sums, n_miss > 0);  // without misses no scan follows
 
     // Phase D: U in order. Miss m takes slot E[m] (word 1 of entry m, written above: the scan's barrier orders
     // it); every slot of U goes to the LRU tail in U's order. Without misses every slot of U is known and holds
@@ -448,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
             pair[0] = (u64)(i64)hot_row(u_slot(word));
             pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
           },
-          warp_sums);
+          warp_sums, false);  // the last scan
     }
   }
   const int planned = ok ? n_miss : 0;
