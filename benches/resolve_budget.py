@@ -27,6 +27,8 @@ Global memory is what the kernels are given: the state tensors, top-K, the outpu
 pool, the layer table; never shared memory. The replay grid is the harness's (3 SMs).
 
 A case that the launch arithmetic refuses (shared memory) reports ``ran: false`` and why, instead of failing.
+``targets`` holds issue 17's CPU budget for a hit-only request at H = 10,240 (<= 6 barriers, <= 128 KB) against
+the counts.
 
     PYTHONPATH=python python benches/resolve_budget.py [--batch N] [--seed S] [--cases a,b]
 """
@@ -52,6 +54,7 @@ TOP_K = 2048
 ROW_BYTES = 656
 BLOCK_SIZE = 64
 HOST_BLOCKS = 256  # pages share host blocks beyond this (a host copy is only read)
+TARGETS = {"barriers_per_request": 6, "global_bytes_per_request": 128 * 1024}  # hit_only_h10240
 CASES = {
     "hit_only_h4096": {"hot_rows": 4096, "miss_rate": 0.0},
     "hit_only_h10240": {"hot_rows": 10240, "miss_rate": 0.0},
@@ -163,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     h.track_footprint(True)
     results = {name: measure(h, name, args.batch, args.seed + i) for i, name in enumerate(names)}
     ran = [r for r in results.values() if r["ran"]]
+    budget = results.get("hit_only_h10240", {})
     report = {
         "shape": {"top_k": TOP_K, "block_size": BLOCK_SIZE, "row_bytes": ROW_BYTES, "layers": 1, "batch": args.batch},
         "all_matched": bool(ran) and all(r["matched"] for r in ran),
+        "targets": {k: {"case": "hit_only_h10240", "target": v, "measured": budget.get(k),
+                        "met": None if budget.get(k) is None else budget[k] <= v} for k, v in TARGETS.items()},
         "cases": results,
     }
     print(json.dumps(report))
