@@ -2,9 +2,10 @@
 moved, for the decode shape of ``kernel_bench.py``. Prints one JSON line.
 
 Each case builds requests like ``kernel_bench.py`` does (top-K 2048, 64-token blocks, one layer of 656-byte rows,
-no position twice in a row's selection), runs one resolve call (``hisparse_resolve``, then ``hisparse_replay`` of
-its plan) through the harness (``tests/kernel_harness``: the real ``cuda/*.cu`` as C++, every load and store of a
-guarded buffer counted) and compares every byte with the Rust reference (``matched``). The cases:
+no position twice in a row's selection), runs one resolve call (``ops.resolve_launches``: ``hisparse_resolve``,
+which copies its misses itself) through the harness (``tests/kernel_harness``: the real ``cuda/*.cu`` as C++,
+every load and store of a guarded buffer counted) and compares every byte with the Rust reference (``matched``).
+The cases:
 
 - ``hit_only_h4096``, ``hit_only_h10240``, ``hit_only_h32768``: every selected position cached in a hot region of
   H rows (32K-token requests; 64K for H = 32,768), nothing resident;
@@ -15,7 +16,7 @@ Per case, over the call's requests (means):
 
 - ``barriers_per_request``: barriers the resolve launch executed (each once per CTA, however many threads wait
   at it);
-- ``global_bytes_per_request``: global memory the whole call (resolve, then replay) moves, as the distinct
+- ``global_bytes_per_request``: global memory the whole call (every launch of it) moves, as the distinct
   4-byte words each CTA read plus those it wrote (an atomic's word in both), in bytes: what DRAM would see if
   every re-read of a word hit a cache;
 - ``access_bytes_per_request``: every load and store (atomics as both), re-reads included, as g++ -O2 emits them

@@ -98,9 +98,11 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
   }
 }
 
-// resolve(topk, row_state, g) of SPEC.md for one index group, all requests in one launch, except the copies:
-// the request's misses go to `plan` / `plan_count` in the miss-plan format of SPEC.md, and hisparse_replay
-// copies them, spread over the whole GPU.
+// resolve(topk, row_state, g, layers) of SPEC.md for one index group, all requests in one launch: the request's
+// misses also go to `plan` / `plan_count` in the miss-plan format of SPEC.md, for hisparse_replay to copy into
+// the group's other layers. The CTA copies its own misses into the call's layers (`layers`: the table of
+// replay, L GPU layer addresses then L host ones), one (miss, layer) job per warp, so a step without misses
+// runs one launch and nothing after it.
 //
 // grid = R (one CTA per batch row), RESOLVE_THREADS threads. The CTA of a request's first batch row
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
@@ -124,7 +126,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      const int* __restrict__ host_table, const int* __restrict__ hot_blocks,
                      int* __restrict__ hot_pos, int* __restrict__ hot_lru, int* __restrict__ heat,
                      int* __restrict__ status, u64* __restrict__ counters, int* __restrict__ out,
-                     u64* __restrict__ plan, int* __restrict__ plan_count, int R, int K, int S, int P, int G,
+                     u64* __restrict__ plan, int* __restrict__ plan_count, const u64* __restrict__ layers,
+                     int R, int K, int S, int P, int G,
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
@@ -453,6 +456,37 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
             pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
           },
           warp_sums, false);  // the last scan
+      __syncthreads();  // the plan is complete
+
+      // Phase G: the copies into the call's layers, host row to GPU row of every miss (both checked above: a
+      // slot of a checked hot region, a host block below host_blocks). A round takes the 16-byte chunks of up to
+      // 4 * blockDim / chunks (miss, layer) rows as one list, four loads per thread before their stores, so that
+      // many reads of pinned host memory are in flight at once even for a few misses.
+      const u32 chunks = (u32)rb >> 4;
+      const u32 jobs = (u32)n_miss * (u32)L;  // below 2^31: the launcher keeps R * K * L there
+      const u32 per_round = max(1u, 4u * (u32)nt / chunks);
+      for (u32 j0 = 0; j0 < jobs; j0 += per_round) {
+        const u32 span = min(per_round, jobs - j0) * chunks;
+        for (u32 c0 = tid; c0 < span; c0 += 4u * (u32)nt) {
+          uint4 v[4];
+          uint4* dst[4];
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            const u32 c = c0 + u * (u32)nt;
+            if (c < span) {
+              const u32 job = j0 + c / chunks;
+              const u32 l = job / (u32)n_miss;
+              const u64* pair = entry(job % (u32)n_miss);
+              v[u] = ((const uint4*)(layers[L + l] + pair[1] * (u64)rb))[c % chunks];
+              dst[u] = (uint4*)(layers[l] + pair[0] * (u64)rb) + c % chunks;
+            }
+          }
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            if (c0 + u * (u32)nt < span) *dst[u] = v[u];
+          }
+        }
+      }
     }
   }
   const int planned = ok ? n_miss : 0;

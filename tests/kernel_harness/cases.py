@@ -348,8 +348,7 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
                                *STATE_KEYS, "out", "miss_plan", "miss_count")}
     launches = ops.resolve_launches(**state, group=group, block_size=case["block_size"], layers=table,
                                     num_layers=count, row_bytes=case["gpu_layers"][0].shape[1], gpu_rows=gpu_rows,
-                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem,
-                                    sm_count=h.sm_count)
+                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem)
     if first < L:
         table, count, gpu_rows, host_rows = dev.layers(slice(first, L))
         launches += ops.replay_launches(miss_plan=t["miss_plan"], miss_count=t["miss_count"], layers=table,
@@ -478,6 +477,10 @@ RESOLVE_KINDS: dict[str, dict] = {
     "no_host_copy": {"no_host": 0.05, "H": 512},
     "hits_without_host": {"hits_without_host": 0, "H": 256, "hot_fill": 0.6, "resident": 0.2, "G": 1},
     "block_size_1": {"bs": 1, "P": 600, "H": 100},
+    # rows of many 16-byte chunks: resolve's copies take several rounds (65 chunks), or a round per row (4,097)
+    "wide_rows": {"rb": 1040, "H": 512, "hot_fill": 0.2, "resident": 0.1, "L": 2},
+    "huge_rows": {"S": 1, "R": 2, "P": 8, "bs": 4, "H": 8, "K": 8, "rb": 65552, "L": 2, "hot_fill": 0.0,
+                  "resident": 0.0},
     "decode_shape": {"S": 3, "R": 3, "P": 256, "bs": 64, "H": 4096, "K": 2048, "rb": 16, "L": 1, "G": 1},
     # hot regions of 32,768 rows (LRU passes of several rounds): all hits, and hits with misses
     "hit_only_h32768": {"S": 2, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,

@@ -90,6 +90,7 @@ SEMANTIC = [
      "resolve adds heat with a plain += (threads race)"),
     ("resolve.cu", "atomicAdd(&counters[1], (u64)n_miss);", "counters[1] += (u64)n_miss;",
      "resolve counts misses with a plain += (CTAs race)"),
+    ("resolve.cu", "j0 += per_round)", "j0 += per_round + 1)", "resolve's copies skip a row between rounds"),
 ]
 
 
