@@ -25,7 +25,7 @@ Per case, over the call's requests (means):
 - ``launches``: each launch apart (CTAs, barriers, bytes, atomics).
 
 Global memory is what the kernels are given: the state tensors, top-K, the output, the plan, the slab and host
-pool, the layer table; never shared memory. The replay grid is the harness's (3 SMs).
+pool, the layer table; never shared memory.
 
 A case that the launch arithmetic refuses (shared memory) reports ``ran: false`` and why, instead of failing.
 ``targets`` holds issue 17's CPU budget for a hit-only request at H = 10,240 (<= 6 barriers, <= 128 KB) against

@@ -101,8 +101,8 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 // resolve(topk, row_state, g, layers) of SPEC.md for one index group, all requests in one launch: the request's
 // misses also go to `plan` / `plan_count` in the miss-plan format of SPEC.md, for hisparse_replay to copy into
 // the group's other layers. The CTA copies its own misses into the call's layers (`layers`: the table of
-// replay, L GPU layer addresses then L host ones), one (miss, layer) job per warp, so a step without misses
-// runs one launch and nothing after it.
+// replay, L GPU layer addresses then L host ones; phase G), so a step without misses runs one launch and
+// nothing after it.
 //
 // grid = R (one CTA per batch row), RESOLVE_THREADS threads. The CTA of a request's first batch row
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
