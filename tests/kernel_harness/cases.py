@@ -189,7 +189,7 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
             return bool(resident + misses)
         if what == "host_block":
             return bool(misses) and uses_hot_region(r, sel)
-        if what == "hot_block_twice" and HB < 2:
+        if what in ("hot_block_twice", "hot_block_neighbours") and HB < 2:
             return False
         return uses_hot_region(r, sel) and H > 1
 
@@ -216,6 +216,10 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
         a, b = rng.sample(range(HB), 2)
         case["hot_blocks"][r, a] = case["hot_blocks"][r, b]
         return r, HS_BAD_HOT
+    if what == "hot_block_neighbours":  # at the list's ends, or anywhere
+        a, d = rng.choice([0, HB - 2, rng.randrange(HB - 1)]), rng.randrange(2)
+        case["hot_blocks"][r, a + d] = case["hot_blocks"][r, a + 1 - d]
+        return r, HS_BAD_HOT
     if what == "lru_range":
         case["hot_lru"][r, group, rng.randrange(H)] = H if exact else rng.choice([H + 5, -2, 2**30])
         return r, HS_BAD_HOT
@@ -236,8 +240,8 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
     raise ValueError(f"unknown corruption {what!r}")
 
 
-CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "lru_range", "lru_twice", "hot_pos_twice",
-               "host_block")
+CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "hot_block_neighbours", "lru_range", "lru_twice",
+               "hot_pos_twice", "host_block")
 HS_OVERFLOW, HS_NO_HOST_COPY, HS_BAD_TABLE, HS_BAD_HOT = 1, 2, 4, 8  # SPEC.md's status bits
 
 
@@ -698,17 +702,20 @@ def _bounds_invalidate(h: Harness, seed: int, preempt: float) -> None:
 
 
 def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
-    """A slab of more GPU blocks than one window of resolve's hot-block bitmap (64 ids per table entry): every
-    request's hot blocks come in pairs one window apart (one bit of the bitmap), and request 1 names a block of
-    the second window twice, which must be flagged, as the pairs must not be."""
+    """A slab of more GPU blocks than one window of resolve's hot-block bitmap (64 ids per table entry), and hot
+    regions of more blocks than resolve checks pair by pair (HB_PAIRWISE = 256): every request's hot blocks come
+    in pairs one window apart (one bit of the bitmap), and request 1 names a block of the second window twice,
+    which must be flagged, as the pairs must not be."""
     rng = random.Random(seed)
-    shape = dict(S=3, R=4, P=16, bs=1, G=1, H=64, K=16, L=1, rb=16, hot_fill=0.3, resident=0.0, dup=0.0,
+    H = 320  # blocks of one row
+    shape = dict(S=3, R=4, P=16, bs=1, G=1, H=H, K=16, L=1, rb=16, hot_fill=0.3, resident=0.0, dup=0.0,
                  full_seq=True)
-    window = 64 * launch.resolve_shared(top_k=16, hot_rows=64, batch_rows=4, limit=SMEM_SM90).capacity
+    window = 64 * launch.resolve_shared(top_k=16, hot_rows=H, batch_rows=4, limit=SMEM_SM90).capacity
     case = make_case(seed, **shape, gpu_blocks_at_least=window + 3000)
-    low = rng.sample(range(1, 3000), 3 * 32)
+    half = H // 2
+    low = rng.sample(range(1, 3000), 3 * half)
     for r in range(3):
-        case["hot_blocks"][r] = torch.tensor([b + w for b in low[32 * r: 32 * r + 32] for w in (0, window)],
+        case["hot_blocks"][r] = torch.tensor([b + w for b in low[half * r: half * r + half] for w in (0, window)],
                                              dtype=torch.int32)
     case["hot_blocks"][1, 5] = case["hot_blocks"][1, 3]  # odd entries lie in the second window
     case["row_state"][rng.randrange(4)] = 1  # request 1 resolves on every seed
