@@ -9,6 +9,12 @@
 #define INVALIDATE_BATCH 2048
 // Consecutive elements a thread takes per round of resolve's first-occurrence pass.
 #define ELEMENT_RUN 4
+// Hot regions of at most this many blocks are checked for a repeated block pair by pair (HB^2 / blockDim
+// compares a thread), which leaves resolve's hash table to serve U's lookups; larger ones with a bitmap over it.
+#define HB_PAIRWISE 256
+// The value half of a table entry that maps a position of U to its index in U (other values are request
+// indices, below 2^31).
+#define U_BIT 0x80000000u
 
 // Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
 // by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
@@ -57,11 +63,28 @@ __device__ void table_insert_new(u64* tab, u32 cap, int pos, u32 value) {
   }
 }
 
-// The value recorded for `pos` (>= 0), or HS_NONE. Only value halves may change while lookups run.
-__device__ u32 table_value(const u64* tab, u32 cap, int pos) {
+// The index of the entry of `pos` (>= 0), or HS_NONE. Only value halves may change while lookups run.
+__device__ u32 table_find(const u64* tab, u32 cap, int pos) {
   for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     const u64 cur = tab[h];
-    if (entry_holds(cur, pos)) return (u32)cur;
+    if (entry_holds(cur, pos)) return h;
+    if (cur == EMPTY_ENTRY) return HS_NONE;
+  }
+}
+
+// The value recorded for `pos` (>= 0), or HS_NONE.
+__device__ u32 table_value(const u64* tab, u32 cap, int pos) {
+  const u32 h = table_find(tab, cap, pos);
+  return h == HS_NONE ? HS_NONE : (u32)tab[h];
+}
+
+// The index in U that the table records for `pos` (a value U_BIT | index), or HS_NONE (no entry, or an entry
+// that maps a position outside U; `pos` may be negative).
+__device__ u32 table_u_index(const u64* tab, u32 cap, int pos) {
+  if (pos < 0) return HS_NONE;
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
+    const u64 cur = tab[h];
+    if (entry_holds(cur, pos)) return (u32)cur >= U_BIT ? (u32)cur - U_BIT : HS_NONE;
     if (cur == EMPTY_ENTRY) return HS_NONE;
   }
 }
@@ -182,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
   // the entries. First occurrence = the element whose request index q is the smallest of its position's.
   for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
+  for (int k = tid; k < words; k += nt) bits[k] = 0;  // for the permutation check
   if (tid == 0) {
     s_claimed = 0;
     s_full = 0;
@@ -237,7 +261,13 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       int t = n + block_exclusive_scan(__popc(in_u), &total, warp_sums, r0 + ELEMENT_RUN * nt < count);
 #pragma unroll
       for (int u = 0; u < ELEMENT_RUN; ++u) {
-        if ((in_u >> u) & 1) entry(t++)[0] = u_word(u_pos_of[u], HS_NONE);
+        if (!((in_u >> u) & 1)) continue;
+        entry(t)[0] = u_word(u_pos_of[u], HS_NONE);
+        // The entry now maps the position to its index in U (phase B and E's lookups). Later rounds still
+        // compare request indices, which U_BIT never equals. Past HB_PAIRWISE the checks clear tab for their
+        // bitmap as soon as this round is done: no write then.
+        if (HB <= HB_PAIRWISE) tab[table_find(tab, cap, u_pos_of[u])] = table_entry(u_pos_of[u], U_BIT | (u32)t);
+        ++t;
       }
       n += total;
     }
@@ -286,10 +316,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       if (build) {
         for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
         __syncthreads();
-        for (int t = tid; t < n; t += nt) table_insert_new(tab, cap, u_pos(entry(t)[0]), t);
+        for (int t = tid; t < n; t += nt) table_insert_new(tab, cap, u_pos(entry(t)[0]), U_BIT | (u32)t);
         __syncthreads();
       }
-      consume([&](int pos) { return pos >= 0 ? table_value(tab, cap, pos) : HS_NONE; });
+      consume([&](int pos) { return table_u_index(tab, cap, pos); });
       if (sync) __syncthreads();
     } else {
       u32* index_at = (u32*)tab;
@@ -307,59 +337,68 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
   };
 
-  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (seen: a bitmap of block ids over
-  // tab, which phase A no longer needs, in windows of 64 * cap ids: one window unless the slab has more blocks);
-  // hot_lru a permutation (bits: slots seen). Nothing reads U's entries before the barrier below; a request that
-  // stops here reads none.
+  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (pair by pair up to HB_PAIRWISE
+  // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
+  // 64 * cap ids: one window unless the slab has more blocks); hot_lru a permutation (bits: slots seen, clear
+  // since phase A's first barrier; all set when it is one). Nothing reads U's entries or the table's U marks
+  // before the barrier below; a request that stops here reads none.
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
-    u32* seen = (u32*)tab;
-    const u32 window_ids = 64u * (u32)cap;
-    auto clear_window = [&](u32 w) {
-      const u32 ids = min(window_ids, (u32)gpu_blocks - w);
-      for (u32 k = tid; k < (ids + 31) / 32; k += nt) seen[k] = 0;
-    };
     bool bad = false;
-    auto mark_window = [&](u32 w) {  // a block seen twice in this window is a repeat
-      for (int b = tid; b < HB; b += nt) {
-        const u32 id = (u32)hb_row[b] - w;
-        if (hb_row[b] > 0 && hb_row[b] < gpu_blocks && id < window_ids) {
-          const u32 m = 1u << (id & 31);
-          bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;
-        }
-      }
-    };
     for (int b = tid; b < HB; b += nt) bad |= hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;
-    clear_window(0);
-    for (int k = tid; k < words; k += nt) bits[k] = 0;
-    __syncthreads();  // bits and the first window are clear, U's entries complete
-    mark_window(0);
-    for (u32 w = window_ids; w < (u32)gpu_blocks; w += window_ids) {
-      __syncthreads();  // the last window's marks are done
-      clear_window(w);
-      __syncthreads();
-      mark_window(w);
+    if (HB <= HB_PAIRWISE) {
+      for (int p = tid; p < HB * HB; p += nt) {
+        const int a = p / HB;
+        const int b = p % HB;
+        bad |= a < b && hb_row[a] == hb_row[b];
+      }
+    } else {
+      u32* seen = (u32*)tab;
+      const u32 window_ids = 64u * (u32)cap;
+      auto clear_window = [&](u32 w) {
+        const u32 ids = min(window_ids, (u32)gpu_blocks - w);
+        for (u32 k = tid; k < (ids + 31) / 32; k += nt) seen[k] = 0;
+      };
+      auto mark_window = [&](u32 w) {  // a block seen twice in this window is a repeat
+        for (int b = tid; b < HB; b += nt) {
+          const u32 id = (u32)hb_row[b] - w;
+          if (hb_row[b] > 0 && hb_row[b] < gpu_blocks && id < window_ids) {
+            const u32 m = 1u << (id & 31);
+            bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;
+          }
+        }
+      };
+      clear_window(0);
+      __syncthreads();  // the first window is clear
+      mark_window(0);
+      for (u32 w = window_ids; w < (u32)gpu_blocks; w += window_ids) {
+        __syncthreads();  // the last window's marks are done
+        clear_window(w);
+        __syncthreads();
+        mark_window(w);
+      }
     }
     bad |= mark_slots(lru, H, bits);
-    // Also orders every atomicOr above before phase B clears bits and rebuilds tab.
+    // Also orders every atomicOr above before phase B takes bits (and, past HB_PAIRWISE, rebuilds tab).
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
 
   // Phase B: hits. A slot holding a position of U claims the position's entry; a second slot holding it is
-  // corrupt state (check 3). bits now marks the slots of hits.
+  // corrupt state (check 3). bits, all set by the permutation check, now loses the slots of hits: a slot whose
+  // bit is set holds no hit (hit_free). Phase A's table maps U already unless it gave way to windows or to the
+  // hot-block bitmap.
   int n_miss = 0;
   if (ok) {
-    for (int k = tid; k < words; k += nt) bits[k] = 0;
-    with_u_map(true, true, [&](auto find) {
+    with_u_map(s_full || HB > HB_PAIRWISE, true, [&](auto find) {
       int hits = 0;
-      // Runs of 4: with 8 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
-      for_each_loaded<4>(hp, H, [&](int s, int pos) {
+      // Runs of 3: with 4 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
+      for_each_loaded<3>(hp, H, [&](int s, int pos) {
         const u32 t = find(pos);
         if (t == HS_NONE) return;
         if (atomicCAS(entry(t), u_word(pos, HS_NONE), u_word(pos, s)) == u_word(pos, HS_NONE)) {
-          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          atomicAnd(&bits[s >> 5], ~(1u << (s & 31)));
           ++hits;
         } else {
           s_dup = 1;
@@ -391,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // move to the front, in place (block_runs: an entry moves to an index no larger than its own). Runs of 16:
     // one round (one scan) for a region of up to 16,384 slots.
     block_runs<u32, 16>(
-        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return !test_bit(bits, s); },
+        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return test_bit(bits, s); },
         [&](int, u32 s, bool evictable, int e) {
           if (!evictable) return;
           if (e < n_miss) {
@@ -447,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // (block_runs: miss m lands in entry m <= t).
     if (n_miss > 0) {
       block_runs<u64, 4>(
-          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return test_bit(bits, u_slot(word)); },
           [&](int, u64 word, bool miss, int m) {
             if (!miss) return;
             const int pos = u_pos(word);

@@ -91,6 +91,8 @@ SEMANTIC = [
     ("resolve.cu", "atomicAdd(&counters[1], (u64)n_miss);", "counters[1] += (u64)n_miss;",
      "resolve counts misses with a plain += (CTAs race)"),
     ("resolve.cu", "j0 += per_round)", "j0 += per_round + 1)", "resolve's copies skip a row between rounds"),
+    ("resolve.cu", "bad |= a < b && hb_row[a] == hb_row[b];", "bad |= a + 1 < b && hb_row[a] == hb_row[b];",
+     "resolve's pairwise hot-block check skips neighbours"),
 ]
 
 
