@@ -131,10 +131,11 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
 // write -1. Dynamic shared memory, its size set by the selection (top_k x the rows of a request) and growing
 // with H only by one bit per hot slot:
-//   u64 tab[cap]              hash table of positions: first occurrences (phase A), then a bitmap of the hot
-//                             blocks (checks 1-3), then U -> index in U
+//   u64 tab[cap]              hash table of positions: first occurrences (phase A), whose entries of U then
+//                             map U -> index in U; past HB_PAIRWISE hot blocks (or after windowed phase A), a
+//                             bitmap of the hot blocks (checks 1-3), then a rebuilt map of U
 //   int rows[R]               the request's batch rows
-//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check), then slots of hits
+//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check: all set), then cleared for hits
 // A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
 // windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, E) lives in
 // the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and in windowed phase A the
