@@ -1,8 +1,9 @@
 """GPU benchmark of the data path's kernels against issue 9's targets. Prints one JSON object.
 
-What it times: one ``ops.resolve`` call (the resolve kernel, then the copy of its misses from pinned host memory
-spread over the GPU) and the miss copy alone (``ops.replay`` of the same plan), each captured once in a CUDA graph
-(as the decode path runs them) and replayed; and, for scale, a bulk pinned host-to-device copy in the same run.
+What it times: one ``ops.resolve`` call (the resolve kernel, whose CTAs also copy their misses from pinned host
+memory) and the miss copy alone (``ops.replay`` of the same plan, spread over the GPU), each captured once in a
+CUDA graph (as the decode path runs them) and replayed; and, for scale, a bulk pinned host-to-device copy in the
+same run.
 How: before each timed replay the stream sleeps on the device (``torch.cuda._sleep``) for longer than the host
 takes to launch what follows, so the start event runs when the GPU reaches the work, not when Python called it:
 the interval holds GPU time only. Each row reports ``host_us``, the host time of the launch, and ``host_bound``

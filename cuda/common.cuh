@@ -27,7 +27,9 @@ typedef unsigned long long u64;
 // Every thread of the block must call it. It begins with a barrier-free warp scan and contains
 // __syncthreads(), so reads that a caller makes before the call are complete, block-wide, when the
 // call returns: callers rely on this to rewrite arrays in place. `warp_sums` is 32 ints of shared memory.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
+// With `reuse` false the last barrier, which lets the next call write warp_sums, is left out: the caller
+// passes a barrier of its own before warp_sums is used again.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp_sums, bool reuse = true) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int nwarps = (blockDim.x + 31) >> 5;
@@ -51,7 +53,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp
   __syncthreads();
   const int prefix = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
   *total = warp_sums[31];
-  __syncthreads();  // warp_sums is reused by the next call
+  if (reuse) __syncthreads();  // warp_sums is reused by the next call
   return prefix;
 }
 
@@ -101,9 +103,11 @@ __device__ __forceinline__ bool mark_slots(const int* lru, int H, u32* seen) {
 // number of kept items before it. Returns the number of kept items. Every thread of the block must call it.
 // A round reads all its items before its scan's barrier and visits them after it, so visit may write items
 // in place at an index no larger than its own (rank <= k), over its own round or earlier ones.
-// RUN (at most 32) defaults to HS_RUN items, fewer for wide items where registers are short.
+// RUN (at most 32) defaults to HS_RUN items, fewer for wide items where registers are short. With `reuse`
+// false the last round's scan leaves out its last barrier (block_exclusive_scan).
 template <class T, int RUN = HS_RUN, class Load, class Keep, class Visit>
-__device__ __forceinline__ int block_runs(int count, Load load, Keep keep, Visit visit, int* warp_sums) {
+__device__ __forceinline__ int block_runs(int count, Load load, Keep keep, Visit visit, int* warp_sums,
+                                          bool reuse = true) {
   int base = 0;
   for (int r0 = 0; r0 < count; r0 += RUN * (int)blockDim.x) {
     const int k0 = r0 + (int)threadIdx.x * RUN;
@@ -117,7 +121,8 @@ __device__ __forceinline__ int block_runs(int count, Load load, Keep keep, Visit
       }
     }
     int total;
-    int rank = base + block_exclusive_scan(__popc(kept), &total, warp_sums);
+    const bool last = r0 + RUN * (int)blockDim.x >= count;
+    int rank = base + block_exclusive_scan(__popc(kept), &total, warp_sums, reuse || !last);
 #pragma unroll
     for (int u = 0; u < RUN; ++u) {
       if (k0 + u < count) {

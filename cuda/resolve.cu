@@ -7,6 +7,14 @@
 #define INVALIDATE_THREADS 256
 // Pairs invalidate takes per pass; its set of their positions has twice as many entries, so it never fills.
 #define INVALIDATE_BATCH 2048
+// Consecutive elements a thread takes per round of resolve's first-occurrence pass.
+#define ELEMENT_RUN 4
+// Hot regions of at most this many blocks are checked for a repeated block pair by pair (HB^2 / blockDim
+// compares a thread), which leaves resolve's hash table to serve U's lookups; larger ones with a bitmap over it.
+#define HB_PAIRWISE 256
+// The value half of a table entry that maps a position of U to its index in U (other values are request
+// indices, below 2^31).
+#define U_BIT 0x80000000u
 
 // Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
 // by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
@@ -55,11 +63,28 @@ __device__ void table_insert_new(u64* tab, u32 cap, int pos, u32 value) {
   }
 }
 
-// The value recorded for `pos` (>= 0), or HS_NONE. Only value halves may change while lookups run.
-__device__ u32 table_value(const u64* tab, u32 cap, int pos) {
+// The index of the entry of `pos` (>= 0), or HS_NONE. Only value halves may change while lookups run.
+__device__ u32 table_find(const u64* tab, u32 cap, int pos) {
   for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
     const u64 cur = tab[h];
-    if (entry_holds(cur, pos)) return (u32)cur;
+    if (entry_holds(cur, pos)) return h;
+    if (cur == EMPTY_ENTRY) return HS_NONE;
+  }
+}
+
+// The value recorded for `pos` (>= 0), or HS_NONE.
+__device__ u32 table_value(const u64* tab, u32 cap, int pos) {
+  const u32 h = table_find(tab, cap, pos);
+  return h == HS_NONE ? HS_NONE : (u32)tab[h];
+}
+
+// The index in U that the table records for `pos` (a value U_BIT | index), or HS_NONE (no entry, or an entry
+// that maps a position outside U; `pos` may be negative).
+__device__ u32 table_u_index(const u64* tab, u32 cap, int pos) {
+  if (pos < 0) return HS_NONE;
+  for (u32 h = table_home(pos, cap);; h = table_next(h, cap)) {
+    const u64 cur = tab[h];
+    if (entry_holds(cur, pos)) return (u32)cur >= U_BIT ? (u32)cur - U_BIT : HS_NONE;
     if (cur == EMPTY_ENTRY) return HS_NONE;
   }
 }
@@ -96,18 +121,21 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
   }
 }
 
-// resolve(topk, row_state, g) of SPEC.md for one index group, all requests in one launch, except the copies:
-// the request's misses go to `plan` / `plan_count` in the miss-plan format of SPEC.md, and hisparse_replay
-// copies them, spread over the whole GPU.
+// resolve(topk, row_state, g, layers) of SPEC.md for one index group, all requests in one launch: the request's
+// misses also go to `plan` / `plan_count` in the miss-plan format of SPEC.md, for hisparse_replay to copy into
+// the group's other layers. The CTA copies its own misses into the call's layers (`layers`: the table of
+// replay, L GPU layer addresses then L host ones; phase G), so a step without misses runs one launch and
+// nothing after it.
 //
 // grid = R (one CTA per batch row), RESOLVE_THREADS threads. The CTA of a request's first batch row
 // resolves the request over all its rows; the CTAs of its other rows exit at once, those of padding rows
 // write -1. Dynamic shared memory, its size set by the selection (top_k x the rows of a request) and growing
 // with H only by one bit per hot slot:
-//   u64 tab[cap]              hash table of positions: first occurrences (phase A), then a bitmap of the hot
-//                             blocks (checks 1-3), then U -> index in U
+//   u64 tab[cap]              hash table of positions: first occurrences (phase A), whose entries of U then
+//                             map U -> index in U; past HB_PAIRWISE hot blocks (or after windowed phase A), a
+//                             bitmap of the hot blocks (checks 1-3), then a rebuilt map of U
 //   int rows[R]               the request's batch rows
-//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check), then slots of hits
+//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check: all set), then cleared for hits
 // A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
 // windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, E) lives in
 // the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and in windowed phase A the
@@ -122,11 +150,12 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      const int* __restrict__ host_table, const int* __restrict__ hot_blocks,
                      int* __restrict__ hot_pos, int* __restrict__ hot_lru, int* __restrict__ heat,
                      int* __restrict__ status, u64* __restrict__ counters, int* __restrict__ out,
-                     u64* __restrict__ plan, int* __restrict__ plan_count, int R, int K, int S, int P, int G,
+                     u64* __restrict__ plan, int* __restrict__ plan_count, const u64* __restrict__ layers,
+                     int R, int K, int S, int P, int G,
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_more_rows;
 
   u64* tab = smem;
   int* rows = (int*)(tab + cap);
@@ -142,17 +171,13 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (tid == 0) plan_count[i0] = 0;
     return;
   }
-  bool not_first = false;
-  for (int k = tid; k < i0; k += nt) not_first |= row_state[k] == r;
-  if (__syncthreads_or(not_first)) return;
-  int n_rows = 0;
-  for (int k0 = i0; k0 < R; k0 += nt) {
-    const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
-    int total;
-    const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums);
-    if (mine) rows[o] = k0 + tid;
-    n_rows += total;
+  bool not_first = false, later = false;
+  for (int k = tid; k < R; k += nt) {
+    if (row_state[k] == r) (k < i0 ? not_first : later) |= k != i0;
   }
+  if (tid == 0) s_more_rows = 0;
+  if (__syncthreads_or(not_first)) return;
+  if (later) s_more_rows = 1;  // read after phase A's first barrier
 
   const int* bt_row = block_table + (i64)r * P;
   const int* ht_row = host_table + (i64)r * P;
@@ -181,6 +206,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
   // the entries. First occurrence = the element whose request index q is the smallest of its position's.
   for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
+  for (int k = tid; k < words; k += nt) bits[k] = 0;  // for the permutation check
   if (tid == 0) {
     s_claimed = 0;
     s_full = 0;
@@ -188,8 +214,22 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     s_dup = 0;
     s_host = 0;
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
+    rows[0] = i0;
   }
-  __syncthreads();  // also publishes rows
+  __syncthreads();  // also publishes rows[0] and s_more_rows
+  // The request's batch rows: i0 alone (a decode step without speculation: no scan), or every row of r.
+  int n_rows = 1;
+  if (s_more_rows) {
+    n_rows = 0;
+    for (int k0 = i0; k0 < R; k0 += nt) {
+      const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
+      int total;
+      const int o = n_rows + block_exclusive_scan(mine, &total, warp_sums, k0 + nt < R);
+      if (mine) rows[o] = k0 + tid;
+      n_rows += total;
+    }
+    __syncthreads();  // publishes rows
+  }
   int* claimed = n_rows * K > limit ? &s_claimed : nullptr;  // a selection larger than the table may fill it
   for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
     const int pos = position(gi, active);
@@ -199,17 +239,39 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
 
   int n = 0;  // |U|
   if (!s_full) {
-    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-      const int pos = position(gi, active);
-      const bool first = pos >= 0 && table_value(tab, cap, pos) == q;
-      add_heat(heat_row, first ? pos / bs : -1);
-      const int block = first ? block_of(pos) : 1;
-      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
-      int total;
-      const int t = n + block_exclusive_scan(block == 0, &total, warp_sums);
-      if (block == 0) entry(t)[0] = u_word(pos, HS_NONE);
+    // Each thread takes ELEMENT_RUN consecutive elements per round, so one scan orders a round of
+    // ELEMENT_RUN * blockDim elements (a decode row of K = 2048 takes one round).
+    const int count = n_rows * K;
+    for (int r0 = 0; r0 < count; r0 += ELEMENT_RUN * nt) {
+      const int q0 = r0 + tid * ELEMENT_RUN;
+      int u_pos_of[ELEMENT_RUN];
+      u32 in_u = 0;  // bit u: element q0 + u is the first occurrence of a position of U
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        const int q = q0 + u;
+        const bool active = q < count;
+        const int pos = position(active ? (u32)rows[q / K] * (u32)K + (u32)(q % K) : 0u, active);
+        const bool first = pos >= 0 && table_value(tab, cap, pos) == (u32)q;
+        add_heat(heat_row, first ? pos / bs : -1);
+        const int block = first ? block_of(pos) : 1;
+        if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+        u_pos_of[u] = pos;
+        if (block == 0) in_u |= 1u << u;
+      }
+      int total;  // the last round's scan needs no last barrier: the checks pass barriers before the next scan
+      int t = n + block_exclusive_scan(__popc(in_u), &total, warp_sums, r0 + ELEMENT_RUN * nt < count);
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        if (!((in_u >> u) & 1)) continue;
+        entry(t)[0] = u_word(u_pos_of[u], HS_NONE);
+        // The entry now maps the position to its index in U (phase B and E's lookups). Later rounds still
+        // compare request indices, which U_BIT never equals. Past HB_PAIRWISE the checks clear tab for their
+        // bitmap as soon as this round is done: no write then.
+        if (HB <= HB_PAIRWISE) tab[table_find(tab, cap, u_pos_of[u])] = table_entry(u_pos_of[u], U_BIT | (u32)t);
+        ++t;
+      }
       n += total;
-    });
+    }
   } else {
     // More distinct positions than the table takes: windows of positions, where a direct-mapped array of
     // first request indices needs no probing; out[gi] marks U's members (-1 for the others) until they are
@@ -248,17 +310,18 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Runs consume(find), find(pos) = the index of pos in U or HS_NONE: through the hash table of U when U fits
   // it (built when `build`; nothing else writes tab once it is), else once per window of positions, where
   // find answers only for the window's positions: consumers act on found positions alone, so each acts once.
-  // Every consumer action is complete block-wide when it returns.
-  auto with_u_map = [&](bool build, auto consume) {
+  // Every consumer action is complete block-wide when it returns, except, on the hash path, when `sync` is false
+  // (the caller's last use: nothing after it reads what consume writes, nor writes what it reads).
+  auto with_u_map = [&](bool build, bool sync, auto consume) {
     if (n <= limit) {
       if (build) {
         for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
         __syncthreads();
-        for (int t = tid; t < n; t += nt) table_insert_new(tab, cap, u_pos(entry(t)[0]), t);
+        for (int t = tid; t < n; t += nt) table_insert_new(tab, cap, u_pos(entry(t)[0]), U_BIT | (u32)t);
         __syncthreads();
       }
-      consume([&](int pos) { return pos >= 0 ? table_value(tab, cap, pos) : HS_NONE; });
-      __syncthreads();
+      consume([&](int pos) { return table_u_index(tab, cap, pos); });
+      if (sync) __syncthreads();
     } else {
       u32* index_at = (u32*)tab;
       for (u32 w = 0; w < (u32)len; w += window) {
@@ -275,59 +338,68 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
   };
 
-  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (seen: a bitmap of block ids over
-  // tab, which phase A no longer needs, in windows of 64 * cap ids: one window unless the slab has more blocks);
-  // hot_lru a permutation (bits: slots seen). Nothing reads U's entries before the barrier below; a request that
-  // stops here reads none.
+  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (pair by pair up to HB_PAIRWISE
+  // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
+  // 64 * cap ids: one window unless the slab has more blocks); hot_lru a permutation (bits: slots seen, clear
+  // since phase A's first barrier; all set when it is one). Nothing reads U's entries or the table's U marks
+  // before the barrier below; a request that stops here reads none.
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
-    u32* seen = (u32*)tab;
-    const u32 window_ids = 64u * (u32)cap;
-    auto clear_window = [&](u32 w) {
-      const u32 ids = min(window_ids, (u32)gpu_blocks - w);
-      for (u32 k = tid; k < (ids + 31) / 32; k += nt) seen[k] = 0;
-    };
     bool bad = false;
-    auto mark_window = [&](u32 w) {  // a block seen twice in this window is a repeat
-      for (int b = tid; b < HB; b += nt) {
-        const u32 id = (u32)hb_row[b] - w;
-        if (hb_row[b] > 0 && hb_row[b] < gpu_blocks && id < window_ids) {
-          const u32 m = 1u << (id & 31);
-          bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;
-        }
-      }
-    };
     for (int b = tid; b < HB; b += nt) bad |= hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;
-    clear_window(0);
-    for (int k = tid; k < words; k += nt) bits[k] = 0;
-    __syncthreads();  // bits and the first window are clear, U's entries complete
-    mark_window(0);
-    for (u32 w = window_ids; w < (u32)gpu_blocks; w += window_ids) {
-      __syncthreads();  // the last window's marks are done
-      clear_window(w);
-      __syncthreads();
-      mark_window(w);
+    if (HB <= HB_PAIRWISE) {
+      for (int p = tid; p < HB * HB; p += nt) {
+        const int a = p / HB;
+        const int b = p % HB;
+        bad |= a < b && hb_row[a] == hb_row[b];
+      }
+    } else {
+      u32* seen = (u32*)tab;
+      const u32 window_ids = 64u * (u32)cap;
+      auto clear_window = [&](u32 w) {
+        const u32 ids = min(window_ids, (u32)gpu_blocks - w);
+        for (u32 k = tid; k < (ids + 31) / 32; k += nt) seen[k] = 0;
+      };
+      auto mark_window = [&](u32 w) {  // a block seen twice in this window is a repeat
+        for (int b = tid; b < HB; b += nt) {
+          const u32 id = (u32)hb_row[b] - w;
+          if (hb_row[b] > 0 && hb_row[b] < gpu_blocks && id < window_ids) {
+            const u32 m = 1u << (id & 31);
+            bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;
+          }
+        }
+      };
+      clear_window(0);
+      __syncthreads();  // the first window is clear
+      mark_window(0);
+      for (u32 w = window_ids; w < (u32)gpu_blocks; w += window_ids) {
+        __syncthreads();  // the last window's marks are done
+        clear_window(w);
+        __syncthreads();
+        mark_window(w);
+      }
     }
     bad |= mark_slots(lru, H, bits);
-    // Also orders every atomicOr above before phase B clears bits and rebuilds tab.
+    // Also orders every atomicOr above before phase B takes bits (and, past HB_PAIRWISE, rebuilds tab).
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
 
   // Phase B: hits. A slot holding a position of U claims the position's entry; a second slot holding it is
-  // corrupt state (check 3). bits now marks the slots of hits.
+  // corrupt state (check 3). bits, all set by the permutation check, now loses the slots of hits: a slot whose
+  // bit is set holds no hit (hit_free). Phase A's table maps U already unless it gave way to windows or to the
+  // hot-block bitmap.
   int n_miss = 0;
   if (ok) {
-    for (int k = tid; k < words; k += nt) bits[k] = 0;
-    with_u_map(true, [&](auto find) {
+    with_u_map(s_full || HB > HB_PAIRWISE, true, [&](auto find) {
       int hits = 0;
-      // Runs of 4: with 8 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
-      for_each_loaded<4>(hp, H, [&](int s, int pos) {
+      // Runs of 3: with 4 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
+      for_each_loaded<3>(hp, H, [&](int s, int pos) {
         const u32 t = find(pos);
         if (t == HS_NONE) return;
         if (atomicCAS(entry(t), u_word(pos, HS_NONE), u_word(pos, s)) == u_word(pos, HS_NONE)) {
-          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          atomicAnd(&bits[s >> 5], ~(1u << (s & 31)));
           ++hits;
         } else {
           s_dup = 1;
@@ -338,8 +410,9 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     ok = !s_dup;
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
-  // Check 4: every miss's page has a host copy inside the pool.
-  if (ok) {
+  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: with_u_map's barrier.)
+  if (ok) n_miss = n - s_hits;
+  if (ok && n_miss > 0) {
     int flags = 0;
     for (int t = tid; t < n; t += nt) {
       const u64 word = entry(t)[0];
@@ -351,14 +424,14 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     __syncthreads();
     ok = s_host == 0;
     if (!ok && tid == 0) s_status |= s_host;
-    n_miss = n - s_hits;
   }
 
   if (ok) {
     // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries (word 1); E[|M| ..)
-    // move to the front, in place (block_runs: an entry moves to an index no larger than its own).
-    block_runs<u32>(
-        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return !test_bit(bits, s); },
+    // move to the front, in place (block_runs: an entry moves to an index no larger than its own). Runs of 16:
+    // one round (one scan) for a region of up to 16,384 slots.
+    block_runs<u32, 16>(
+        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return test_bit(bits, s); },
         [&](int, u32 s, bool evictable, int e) {
           if (!evictable) return;
           if (e < n_miss) {
@@ -367,23 +440,29 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
             lru[e - n_miss] = (int)s;
           }
         },
-        warp_sums);
+        warp_sums, n_miss > 0);  // without misses no scan follows
 
     // Phase D: U in order. Miss m takes slot E[m] (word 1 of entry m, written above: the scan's barrier orders
-    // it); every slot of U goes to the LRU tail in U's order.
-    block_runs<u64, 4>(
-        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
-        [&](int t, u64 word, bool miss, int m) {
-          u32 slot = u_slot(word);
-          if (miss) {
-            slot = (u32)entry(m)[1];
-            entry(t)[0] = u_word(u_pos(word), slot);
-          }
-          hp[slot] = u_pos(word);
-          lru[H - n + t] = (int)slot;
-        },
-        warp_sums);
-    __syncthreads();  // U's slots are complete
+    // it); every slot of U goes to the LRU tail in U's order. Without misses every slot of U is known and holds
+    // its position already: no scan, and nothing after this reads what it writes (the LRU's tail, which phase C
+    // did not write).
+    if (n_miss > 0) {
+      block_runs<u64, 4>(
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
+          [&](int t, u64 word, bool miss, int m) {
+            u32 slot = u_slot(word);
+            if (miss) {
+              slot = (u32)entry(m)[1];
+              entry(t)[0] = u_word(u_pos(word), slot);
+            }
+            hp[slot] = u_pos(word);
+            lru[H - n + t] = (int)slot;
+          },
+          warp_sums);
+      __syncthreads();  // U's slots are complete
+    } else {
+      for (int t = tid; t < n; t += nt) lru[H - n + t] = (int)u_slot(entry(t)[0]);
+    }
   }
 
   // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
@@ -394,7 +473,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     out[gi] = block > 0 ? block * bs + pos % bs : -1;
   });
   if (ok) {
-    with_u_map(false, [&](auto find) {
+    // Phase F below rewrites the entries this reads: only then must every lookup be done first.
+    with_u_map(false, n_miss > 0, [&](auto find) {
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
         const int pos = position(gi, active);
         if (pos < 0 || block_of(pos) != 0) return;
@@ -405,16 +485,49 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
 
     // Phase F: the plan. Misses (the slots of U that held no hit) in U's order, compacted in place
     // (block_runs: miss m lands in entry m <= t).
-    block_runs<u64, 4>(
-        n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
-        [&](int, u64 word, bool miss, int m) {
-          if (!miss) return;
-          const int pos = u_pos(word);
-          u64* pair = entry(m);
-          pair[0] = (u64)(i64)hot_row(u_slot(word));
-          pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
-        },
-        warp_sums);
+    if (n_miss > 0) {
+      block_runs<u64, 4>(
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return test_bit(bits, u_slot(word)); },
+          [&](int, u64 word, bool miss, int m) {
+            if (!miss) return;
+            const int pos = u_pos(word);
+            u64* pair = entry(m);
+            pair[0] = (u64)(i64)hot_row(u_slot(word));
+            pair[1] = (u64)((i64)ht_row[pos / bs] * bs + pos % bs);
+          },
+          warp_sums, false);  // the last scan
+      __syncthreads();  // the plan is complete
+
+      // Phase G: the copies into the call's layers, host row to GPU row of every miss (both checked above: a
+      // slot of a checked hot region, a host block below host_blocks). A round takes the 16-byte chunks of up to
+      // 4 * blockDim / chunks (miss, layer) rows as one list, four loads per thread before their stores, so that
+      // many reads of pinned host memory are in flight at once even for a few misses.
+      const u32 chunks = (u32)rb >> 4;
+      const u32 jobs = (u32)n_miss * (u32)L;  // below 2^31: the launcher keeps R * K * L there
+      const u32 per_round = max(1u, 4u * (u32)nt / chunks);
+      for (u32 j0 = 0; j0 < jobs; j0 += per_round) {
+        const u32 span = min(per_round, jobs - j0) * chunks;
+        for (u32 c0 = tid; c0 < span; c0 += 4u * (u32)nt) {
+          uint4 v[4];
+          uint4* dst[4];
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            const u32 c = c0 + u * (u32)nt;
+            if (c < span) {
+              const u32 job = j0 + c / chunks;
+              const u32 l = job / (u32)n_miss;
+              const u64* pair = entry(job % (u32)n_miss);
+              v[u] = ((const uint4*)(layers[L + l] + pair[1] * (u64)rb))[c % chunks];
+              dst[u] = (uint4*)(layers[l] + pair[0] * (u64)rb) + c % chunks;
+            }
+          }
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            if (c0 + u * (u32)nt < span) *dst[u] = v[u];
+          }
+        }
+      }
+    }
   }
   const int planned = ok ? n_miss : 0;
   for (int o = tid; o < n_rows; o += nt) plan_count[rows[o]] = min(max(planned - o * K, 0), K);

@@ -118,6 +118,26 @@ def test_a_missing_barrier_is_seen_and_a_present_one_is_not(selftest):
     assert wrong == 10, "shared memory holds garbage until written: every run without the barrier goes wrong"
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_a_plain_read_modify_write_of_global_memory_is_a_race_and_an_atomic_is_not(selftest, mode):
+    """The fibers never interleave inside ``x += 1``, so the sum comes out right either way: the race check sees
+    two threads touch one word between barriers, one with a plain write, whatever the schedule."""
+    n = 64
+    out = selftest.tensor(torch.zeros(n + 1, dtype=torch.int32))
+    if mode == 1:
+        with pytest.raises(HarnessError, match="data race on global memory: thread .* byte 0 of a 260-byte buffer"):
+            _run(selftest, "selftest_global_add", n, out, mode)
+    else:
+        _run(selftest, "selftest_global_add", n, out, mode)
+        assert int(out[0]) == n and torch.equal(out[2:], torch.arange(1, n, dtype=torch.int32))
+        assert int(out[1]) == (n if mode == 2 else 0)
+        (cta,) = selftest.counts[-1][1]
+        assert cta.barriers == 1 and cta.atomics == n
+        # n atomics (4 bytes read and written each), n words written; then thread 0 reads 4 bytes and writes 4
+        assert cta.read_bytes == 4 * n + 4 * (mode == 2) and cta.written_bytes == 8 * n + 4 * (mode == 2)
+    selftest.free()
+
+
 def test_a_warp_running_ahead_exposes_a_missing_barrier_between_scans(selftest):
     """What uniform scheduling almost never does: the priority policies let one warp run through a second scan
     before a slow warp has read the first scan's result."""
@@ -151,3 +171,35 @@ def test_every_mutant_of_a_barrier_or_a_bound_makes_the_suite_fail():
     assert report["barriers"] >= 20 and report["semantic"] >= 15
     missed = [f"{m['file']}:{m['line']} ({m['mutant']})" for m in report["mutants"] if not m["caught"]]
     assert not missed, f"mutants the suite does not see: {missed}"
+
+
+def test_the_harness_counts_barriers_and_global_bytes_per_request():
+    """benches/resolve_budget.py on one request per case: every case bit-exact with the reference, its counts
+    positive and plausible (at least the top-K it must read, the row ids it must write, and for misses the rows
+    it copies), and the footprint never above the traffic it comes from."""
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benches" / "resolve_budget.py"), "--batch", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.stdout.strip(), f"resolve_budget.py reported nothing (status {proc.returncode}):\n{proc.stderr}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    top_k = report["shape"]["top_k"]
+    assert report["all_matched"], json.dumps(report["cases"], indent=1)
+    assert set(report["cases"]) == {"hit_only_h4096", "hit_only_h10240", "hit_only_h32768", "resident_only",
+                                    "miss20_h4096"}
+    for name, case in report["cases"].items():
+        if not case["ran"]:
+            assert name == "hit_only_h32768" and case["why"], case  # only the largest may not fit shared memory
+            continue
+        assert case["matched"], case
+        assert 1 <= case["barriers_per_request"] < 1000, case
+        assert case["read_bytes_per_request"] >= 4 * top_k, case  # the request's top-K
+        assert case["written_bytes_per_request"] >= 4 * top_k, case  # its row ids
+        assert case["global_bytes_per_request"] <= case["access_bytes_per_request"], case
+    miss = report["cases"]["miss20_h4096"]
+    copied = round(0.2 * top_k) * report["shape"]["row_bytes"]
+    assert miss["read_bytes_per_request"] >= copied and miss["written_bytes_per_request"] >= copied, miss
+    hit = report["cases"]["hit_only_h4096"]
+    assert hit["written_bytes_per_request"] < copied, "a hit-only step copies no row"
+    assert [launch["kernel"] for launch in hit["launches"]] == ["hisparse_resolve"], "no launch after resolve"
+    # Where the hit path stands (issue 17 aims at <= 6 barriers and <= 128 KB at H = 10,240): no going back.
+    h10k = report["cases"]["hit_only_h10240"]
+    assert h10k["barriers_per_request"] <= 9 and h10k["global_bytes_per_request"] <= 180_000, h10k

@@ -126,3 +126,26 @@ def test_the_forward_waits_for_restores_but_not_for_materializations():
     after_restore.synchronize()
     assert not done.query(), "the current stream waited for the copies to the host"
     done.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_what_the_current_stream_enqueues_after_a_restore_sees_the_restored_pages():
+    """A long restore (256 MiB: milliseconds of DMA) into an idle device, then at once, on the current stream, a
+    read of every restored block and an event. The read must see the host's bytes, and by the time the event has
+    passed the restores must be done: without the current stream's wait for the restores' event, the read would
+    run while the DMA does (and see the zeros the blocks held) and the event would pass at once."""
+    from hisparse.kernels.transfer import PageMover
+
+    blocks, bs, rb = 1024, 64, 4096
+    gpu = list(torch.zeros(1, blocks * bs, rb, dtype=torch.uint8, device="cuda"))
+    host = list(torch.full((1, blocks * bs, rb), 0xA5, dtype=torch.uint8).pin_memory())
+    mover = PageMover(gpu, host, bs)
+    torch.cuda.synchronize()
+    mover.restore([(b, b) for b in range(blocks)])
+    seen = gpu[0].view(blocks, -1)[:, -16:].clone()  # the last bytes of every block, read on the current stream
+    after = torch.cuda.Event()
+    after.record()
+    after.synchronize()
+    assert mover.h2d.query(), "the current stream ran past the restores before they were done"
+    assert bool((seen == 0xA5).all()), "the current stream read blocks the restore had not written yet"

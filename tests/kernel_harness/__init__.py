@@ -4,7 +4,9 @@ cases. It runs in ``make test`` and needs only g++.
 
 - ``shim.h``: CUDA device code on the CPU (g++ ``-include``): thread and block indices, barriers, warp
   collectives, atomics, shared memory. ``runtime.cpp``: fibers for threads, the randomized scheduler, checks of
-  barrier and collective use, guarded buffers, a C API.
+  barrier and collective use, guarded buffers, the global-memory watch (every load and store of the kernel
+  sources, through g++'s ``-fsanitize=thread`` hooks: bytes and barriers per CTA, :class:`CtaCount`, and data
+  races on global memory), a C API.
 - this module: builds the library (one translation unit per source of ``hisparse.kernels.compiler.KERNELS``,
   which includes the ``.cu`` file and registers its kernels) and runs the :class:`~hisparse.kernels.ops.KernelLaunch`
   records that ``hisparse.kernels.ops`` builds for the GPU: the same arguments, grids and shared memory.
@@ -14,10 +16,13 @@ cases. It runs in ``make test`` and needs only g++.
   made the thread's own ``x``), and each bound the kernels check moved by one, must make the suite fail.
 
 What it cannot see: the GPU's weak memory ordering (fibers share one coherent CPU memory, so a missing
-``volatile`` or fence goes unnoticed), races between CTAs (they run one after another), and speed. What it sees
-and CUDA does not report: a missing or misplaced barrier (garbage shared memory, randomized schedules), divergent
-barriers and collectives, and a write outside any buffer (guard pages and canaries around every buffer, shared
-memory included).
+``volatile`` or fence goes unnoticed), races between launches (two streams), races on shared memory that the
+schedule does not expose, and speed. What it sees and CUDA does not report: a missing or misplaced barrier
+(garbage shared memory, randomized schedules), divergent barriers and collectives, a write outside any buffer
+(guard pages and canaries around every buffer, shared memory included), and a data race on global memory, within
+a CTA between two barriers or between CTAs of a launch (a plain ``+=`` where an atomic belongs is one, however
+the fibers are scheduled). What it counts: per CTA, the barriers executed and the global bytes read and written
+(``Harness.counts``; ``benches/resolve_budget.py`` reports them per request).
 
 Adding a kernel file (say ``cuda/plan.cu``): list it with its kernels in ``compiler.KERNELS`` (NVRTC needs that
 anyway) and in ``rust/python/src/lib.rs``'s embedded sources, give ``ops.py`` a ``*_launches`` function, and add a
@@ -35,6 +40,7 @@ import os
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +51,9 @@ HERE = Path(__file__).resolve().parent
 CUDA_DIR = HERE.parents[1] / "cuda"
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ("-std=c++17", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas")
+# The kernel sources only: every load and store calls a hook of runtime.cpp, which counts global memory and looks
+# for data races on it (g++'s ThreadSanitizer instrumentation; runtime.cpp stands in for its library).
+INSTRUMENT = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0")
 
 
 class HarnessError(RuntimeError):
@@ -74,7 +83,7 @@ def _compile_objects(jobs: list[tuple[list[str], Path]]) -> None:
 
 SELFTEST = {HERE / "selftest.cu": ("selftest_intrinsics", "selftest_out_of_bounds", "selftest_divergent_barrier",
                                     "selftest_exit_before_barrier", "selftest_missing_lane", "selftest_neighbour",
-                                    "selftest_scan_twice")}
+                                    "selftest_scan_twice", "selftest_global_add")}
 
 
 def build(cuda_dir: Path = CUDA_DIR, opt: str = "-O2", folder: Path | None = None,
@@ -97,13 +106,13 @@ def build(cuda_dir: Path = CUDA_DIR, opt: str = "-O2", folder: Path | None = Non
     for cu, kernels in sources.items():
         # -I: a source outside cuda/ (the self-test) finds common.cuh too.
         unit = f'#include "{cu}"\n' + "".join(f"HS_REGISTER({k})\n" for k in kernels)
-        key = _digest(shim, unit.encode(), cu.read_bytes(), headers, " ".join(flags).encode())
+        key = _digest(shim, unit.encode(), cu.read_bytes(), headers, " ".join([*flags, *INSTRUMENT]).encode())
         obj = folder / f"{cu.stem}-{key}.o"
         objects.append(obj)
         if not obj.exists():
             src = folder / f"{obj.stem}.cpp"
             src.write_text(unit)
-            jobs.append(([*base, "-c", str(src), "-o", str(obj)], obj))
+            jobs.append(([*base, *INSTRUMENT, "-c", str(src), "-o", str(obj)], obj))
     # Objects appear under their final name only when complete, so a concurrent build never links half of one.
     tag = f"{os.getpid()}-{threading.get_ident()}"
     _compile_objects([(cmd[:-1] + [f"{out}.{tag}.tmp"], out) for cmd, out in jobs])
@@ -116,6 +125,22 @@ def build(cuda_dir: Path = CUDA_DIR, opt: str = "-O2", folder: Path | None = Non
         _compile_objects([([CXX, "-shared", *map(str, objects), "-o", tmp], Path(tmp))])
         os.replace(tmp, library)
     return library
+
+
+@dataclass(frozen=True)
+class CtaCount:
+    """What one CTA of a launch did on the harness: barriers it executed (each once, however many threads wait
+    at it) and global memory it moved (every load and store of a guarded buffer, as the C++ compiler emits them
+    from the kernel source; an atomic counts its bytes as read and as written). Shared memory is not counted."""
+
+    x: int
+    y: int
+    barriers: int
+    read_bytes: int
+    written_bytes: int
+    atomics: int
+    read_footprint: int  # bytes of the distinct 4-byte words read (0 unless footprints are tracked)
+    written_footprint: int
 
 
 class Harness:
@@ -134,8 +159,13 @@ class Harness:
                                   ctypes.c_void_p, ctypes.c_uint64, ctypes.c_double]
         lib.hs_has_kernel.argtypes = [ctypes.c_char_p]
         lib.hs_stats.argtypes = [ctypes.c_void_p]
+        lib.hs_cta_counts.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.hs_check_races.argtypes = [ctypes.c_int]
+        lib.hs_track_footprint.argtypes = [ctypes.c_int]
         self.lib = lib
         self._buffers: list[int] = []
+        # Per launch since the last free(): (kernel, one CtaCount per CTA in the order the CTAs ran).
+        self.counts: list[tuple[str, list[CtaCount]]] = []
 
     def has_kernel(self, name: str) -> bool:
         return bool(self.lib.hs_has_kernel(name.encode()))
@@ -162,6 +192,11 @@ class Harness:
                                     seed * 7919 + i, preempt)
             if rc != 0:
                 raise HarnessError(f"{k.kernel}: {self.lib.hs_error().decode()}")
+            ctas = k.grid[0] * k.grid[1]
+            words = (ctypes.c_uint64 * (8 * ctas))()
+            ran = self.lib.hs_cta_counts(words, ctas)
+            self.counts.append((k.kernel, [CtaCount(*words[8 * c: 8 * c + 6], 4 * words[8 * c + 6],
+                                                    4 * words[8 * c + 7]) for c in range(min(ran, ctas))]))
 
     def damaged(self) -> int:
         """Buffers written outside their bounds so far."""
@@ -172,6 +207,16 @@ class Harness:
         for address in self._buffers:
             self.lib.hs_free(address)
         self._buffers.clear()
+        self.counts.clear()
+
+    def check_races(self, on: bool) -> None:
+        """Whether launches fail on a data race on global memory (on by default; see runtime.cpp)."""
+        self.lib.hs_check_races(int(on))
+
+    def track_footprint(self, on: bool) -> None:
+        """Whether launches count the distinct global words each CTA reads and writes (``CtaCount``'s
+        footprints; off by default, as it costs a set insert per access)."""
+        self.lib.hs_track_footprint(int(on))
 
     def stats(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 4)()

@@ -189,7 +189,7 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
             return bool(resident + misses)
         if what == "host_block":
             return bool(misses) and uses_hot_region(r, sel)
-        if what == "hot_block_twice" and HB < 2:
+        if what in ("hot_block_twice", "hot_block_neighbours") and HB < 2:
             return False
         return uses_hot_region(r, sel) and H > 1
 
@@ -216,6 +216,10 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
         a, b = rng.sample(range(HB), 2)
         case["hot_blocks"][r, a] = case["hot_blocks"][r, b]
         return r, HS_BAD_HOT
+    if what == "hot_block_neighbours":  # at the list's ends, or anywhere
+        a, d = rng.choice([0, HB - 2, rng.randrange(HB - 1)]), rng.randrange(2)
+        case["hot_blocks"][r, a + d] = case["hot_blocks"][r, a + 1 - d]
+        return r, HS_BAD_HOT
     if what == "lru_range":
         case["hot_lru"][r, group, rng.randrange(H)] = H if exact else rng.choice([H + 5, -2, 2**30])
         return r, HS_BAD_HOT
@@ -236,8 +240,8 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
     raise ValueError(f"unknown corruption {what!r}")
 
 
-CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "lru_range", "lru_twice", "hot_pos_twice",
-               "host_block")
+CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "hot_block_neighbours", "lru_range", "lru_twice",
+               "hot_pos_twice", "host_block")
 HS_OVERFLOW, HS_NO_HOST_COPY, HS_BAD_TABLE, HS_BAD_HOT = 1, 2, 4, 8  # SPEC.md's status bits
 
 
@@ -348,8 +352,7 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
                                *STATE_KEYS, "out", "miss_plan", "miss_count")}
     launches = ops.resolve_launches(**state, group=group, block_size=case["block_size"], layers=table,
                                     num_layers=count, row_bytes=case["gpu_layers"][0].shape[1], gpu_rows=gpu_rows,
-                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem,
-                                    sm_count=h.sm_count)
+                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem)
     if first < L:
         table, count, gpu_rows, host_rows = dev.layers(slice(first, L))
         launches += ops.replay_launches(miss_plan=t["miss_plan"], miss_count=t["miss_count"], layers=table,
@@ -478,7 +481,16 @@ RESOLVE_KINDS: dict[str, dict] = {
     "no_host_copy": {"no_host": 0.05, "H": 512},
     "hits_without_host": {"hits_without_host": 0, "H": 256, "hot_fill": 0.6, "resident": 0.2, "G": 1},
     "block_size_1": {"bs": 1, "P": 600, "H": 100},
+    # rows of many 16-byte chunks: resolve's copies take several rounds (65 chunks), or a round per row (4,097)
+    "wide_rows": {"rb": 1040, "H": 512, "hot_fill": 0.2, "resident": 0.1, "L": 2},
+    "huge_rows": {"S": 1, "R": 2, "P": 8, "bs": 4, "H": 8, "K": 8, "rb": 65552, "L": 2, "hot_fill": 0.0,
+                  "resident": 0.0},
     "decode_shape": {"S": 3, "R": 3, "P": 256, "bs": 64, "H": 4096, "K": 2048, "rb": 16, "L": 1, "G": 1},
+    # hot regions of 32,768 rows (LRU passes of several rounds): all hits, and hits with misses
+    "hit_only_h32768": {"S": 2, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,
+                        "from_hot": True, "hot_fill": 1.0, "resident": 0.0, "full_seq": True},
+    "mixed_h32768": {"S": 1, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,
+                     "hot_fill": 0.6, "resident": 0.2, "full_seq": True},
     # more distinct positions than the hash table takes (3/4 of its smallest size, 4096 entries, which a GPU
     # short of shared memory leaves): windowed first occurrences
     "wide_union": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "resident": 0.95, "dup": 0.0,
@@ -690,20 +702,69 @@ def _bounds_invalidate(h: Harness, seed: int, preempt: float) -> None:
 
 
 def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
-    """A slab of more GPU blocks than one window of resolve's hot-block bitmap (64 ids per table entry): every
-    request's hot blocks come in pairs one window apart (one bit of the bitmap), and request 1 names a block of
-    the second window twice, which must be flagged, as the pairs must not be."""
+    """A slab of more GPU blocks than one window of resolve's hot-block bitmap (64 ids per table entry), and hot
+    regions of more blocks than resolve checks pair by pair (HB_PAIRWISE = 256): every request's hot blocks come
+    in pairs one window apart (one bit of the bitmap), and request 1 names a block of the second window twice,
+    which must be flagged, as the pairs must not be."""
     rng = random.Random(seed)
-    shape = dict(S=3, R=4, P=16, bs=1, G=1, H=64, K=16, L=1, rb=16, hot_fill=0.3, resident=0.0, dup=0.0,
+    H = 320  # blocks of one row
+    shape = dict(S=3, R=4, P=16, bs=1, G=1, H=H, K=16, L=1, rb=16, hot_fill=0.3, resident=0.0, dup=0.0,
                  full_seq=True)
-    window = 64 * launch.resolve_shared(top_k=16, hot_rows=64, batch_rows=4, limit=SMEM_SM90).capacity
+    window = 64 * launch.resolve_shared(top_k=16, hot_rows=H, batch_rows=4, limit=SMEM_SM90).capacity
     case = make_case(seed, **shape, gpu_blocks_at_least=window + 3000)
-    low = rng.sample(range(1, 3000), 3 * 32)
+    half = H // 2
+    low = rng.sample(range(1, 3000), 3 * half)
     for r in range(3):
-        case["hot_blocks"][r] = torch.tensor([b + w for b in low[32 * r: 32 * r + 32] for w in (0, window)],
+        case["hot_blocks"][r] = torch.tensor([b + w for b in low[half * r: half * r + half] for w in (0, window)],
                                              dtype=torch.int32)
     case["hot_blocks"][1, 5] = case["hot_blocks"][1, 3]  # odd entries lie in the second window
+    case["row_state"][rng.randrange(4)] = 1  # request 1 resolves on every seed
     run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(1, HS_BAD_HOT)])
+
+
+def _window_edges(u_windowed: bool):
+    """The windowed path (more distinct positions than resolve's table takes: windows of 2 * MIN_TABLE positions)
+    with positions on every window boundary: each boundary b and b - 1 selected, and resolve's batch rows
+    (shared memory just past the table) starting at batch row ``pad`` >= 1 (padding rows first), so that a window
+    that takes one position too many (index == window) reads or writes that array and changes what the request
+    resolves, on every seed.
+
+    Without ``u_windowed``: U small (every page resident but those of half the boundaries), and the request's
+    first elements (q = 0 .. 3, so q == pad for one) select boundaries: windowed first occurrences. With it: U
+    past the table too (4,096 distinct misses and hits, H = 4,096), every boundary cached in some slot and
+    selected (after U's first four elements): windowed lookups of U."""
+
+    def run(h: Harness, seed: int, preempt: float) -> None:
+        rng = random.Random(seed)
+        pad = rng.randint(1, 3)
+        K, bs, P = 1024, 16, 4096
+        H = 4096 if u_windowed else 256
+        case = make_case(seed, S=1, R=pad + 4, P=P, bs=bs, G=1, H=H, K=K, L=1, rb=16, dup=0.0, full_seq=True,
+                         hot_fill=0.3, resident=0.0 if u_windowed else 1.0)
+        length = P * bs
+        window = 2 * launch.MIN_TABLE
+        bounds = list(range(window, length, window))
+        edges = sorted({*bounds, *(b - 1 for b in bounds)})
+        others = rng.sample([x for x in range(length) if x not in set(edges)], 4 * K - len(edges))
+        if u_windowed:
+            picked = others[:4] + rng.sample(edges + others[4:], len(edges) + len(others) - 4)
+            cached = set(case["hot_pos"][0, 0].tolist())
+            free = [s for s in range(H) if int(case["hot_pos"][0, 0, s]) not in set(edges)]
+            for b, slot in zip([b for b in edges if b not in cached], rng.sample(free, len(edges)), strict=False):
+                case["hot_pos"][0, 0, slot] = b
+        else:
+            first = rng.sample(bounds, 4)
+            rest = [x for x in edges if x not in first] + others
+            picked = first + rng.sample(rest, len(rest))
+            for b in rng.sample(bounds, len(bounds) // 2):
+                case["block_table"][0, b // bs] = 0
+                case["block_table"][0, (b - 1) // bs] = 0
+        case["row_state"] = torch.tensor([-rng.randint(1, 3)] * pad + [0] * 4, dtype=torch.int32)
+        case["topk"] = torch.full((pad + 4, K), -1, dtype=torch.int32)
+        case["topk"][pad:] = torch.tensor(picked, dtype=torch.int32).view(4, K)
+        run_resolve(h, case, group=0, seed=seed, preempt=preempt, max_smem=table_smem(launch.MIN_TABLE, case))
+
+    return run
 
 
 def _gather(h: Harness, seed: int, preempt: float) -> None:
@@ -725,6 +786,8 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "bounds_resolve": _bounds_resolve,
     "bounds_invalidate": _bounds_invalidate,
     "hot_blocks_past_one_window": _hot_blocks_past_one_window,
+    "window_edges": _window_edges(False),
+    "window_edges_u": _window_edges(True),
     "bad_state_rows": _bad_state_rows,
     "sequence": _sequence,
     "replay_layers": _replay_layers,
@@ -740,4 +803,4 @@ FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "inva
          "speculative", "no_host_copy", "copy_rows", "copy_blocks", "gather")
 KINDS = {k: _ALL_KINDS[k] for k in (*FIRST, *(k for k in _ALL_KINDS if k not in FIRST))}
 # Kinds that take seconds on the harness; the suite runs them in its first round only.
-SLOW = {"decode_shape", "clamped_5_rows"}
+SLOW = {"decode_shape", "clamped_5_rows", "hit_only_h32768", "mixed_h32768"}

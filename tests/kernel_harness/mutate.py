@@ -2,10 +2,12 @@
 
 - every ``__syncthreads();`` removed in turn;
 - every ``__syncthreads_or(x)`` replaced by the thread's own ``(x)`` (no barrier, no block-wide OR);
-- ``SEMANTIC``: each bound the kernels check moved by one (``>=`` to ``>``...), and the hot-block checks undone.
+- ``SEMANTIC``: each bound the kernels check moved by one (``>=`` to ``>``...), the hot-block checks undone, the
+  windowed path's windows one position too wide, and atomics on shared global words made plain ``+=``.
 
 A mutant the suite does not catch is a barrier whose removal the harness cannot see (the barrier is not needed,
-or the suite misses a case) or a bound that no case draws at its exact value.
+or the suite misses a case), a bound that no case draws at its exact value, or a race the harness's race check
+on global memory (runtime.cpp) misses.
 
     python -m kernel_harness.mutate [--rounds N] [--jobs J]
 
@@ -73,6 +75,24 @@ SEMANTIC = [
      "resolve takes host block == host_blocks"),
     ("common.cuh", "if (s >= (u32)H) {\n      bad = true;", "if (s > (u32)H) {\n      bad = true;",
      "the LRU permutation check (resolve, invalidate) takes entry == H"),
+    # A window of the windowed path that takes one position too many (the first of the next window).
+    ("resolve.cu", "(u32)pos - w < window) atomicMin", "(u32)pos - w <= window) atomicMin",
+     "windowed first occurrences record position == window end"),
+    ("resolve.cu", "(u32)pos - w < window && first_at", "(u32)pos - w <= window && first_at",
+     "windowed first occurrences test position == window end"),
+    ("resolve.cu", "if ((u32)pos - w < window) index_at", "if ((u32)pos - w <= window) index_at",
+     "windowed U lookups record position == window end"),
+    ("resolve.cu", "(u32)pos - w < window ? index_at", "(u32)pos - w <= window ? index_at",
+     "windowed U lookups find position == window end"),
+    # Plain read-modify-writes where threads (heat) or CTAs (counters) share a word: the fibers never interleave
+    # inside one, so only the harness's race check on global memory sees them.
+    ("resolve.cu", "atomicAdd(&heat_row[page], __popc(peers));", "heat_row[page] += __popc(peers);",
+     "resolve adds heat with a plain += (threads race)"),
+    ("resolve.cu", "atomicAdd(&counters[1], (u64)n_miss);", "counters[1] += (u64)n_miss;",
+     "resolve counts misses with a plain += (CTAs race)"),
+    ("resolve.cu", "j0 += per_round)", "j0 += per_round + 1)", "resolve's copies skip a row between rounds"),
+    ("resolve.cu", "bad |= a < b && hb_row[a] == hb_row[b];", "bad |= a + 1 < b && hb_row[a] == hb_row[b];",
+     "resolve's pairwise hot-block check skips neighbours"),
 ]
 
 

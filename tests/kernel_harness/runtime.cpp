@@ -9,6 +9,18 @@
 // draws one of three policies: uniform (any runnable fiber), thread priorities, or warp priorities (random
 // keys: the highest runnable runs). Priorities let one thread or warp run far ahead of the others, through many
 // warp collectives, which uniform picks almost never do; a preemption then draws the thread a new priority.
+//
+// Global memory: every load and store the kernel sources make goes through a hook below (g++'s ThreadSanitizer
+// instrumentation, -fsanitize=thread, with this file's own __tsan_* functions in place of the sanitizer's
+// library), and the atomics of shim.h report themselves. An access that lands in a guarded buffer (hs_alloc:
+// what the kernels see as global memory; never shared memory, stacks or kernel arguments) is counted for its
+// CTA (bytes read, bytes written; an atomic counts as both) and checked for a data race: two threads of a CTA
+// touching one 4-byte word of global memory between two of its barriers, or two CTAs of one launch touching it at
+// all, one of them writing, not both by atomics. That is what a plain `x += v` in place of an atomicAdd does (a
+// read and a write that another thread's can fall between), and what a missing barrier between a write and
+// another thread's read of global memory does; the fiber schedule need not interleave them for the check to see
+// it. Accesses within a warp count as two threads' (the kernels rely on no warp-synchronous memory order).
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -18,6 +30,8 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "shim.h"
@@ -188,6 +202,87 @@ std::string error;
 bool failed = false;
 uint64_t stats[4];  // switches, barriers, collectives, preemptions
 
+// ---------------------------------------------------------------------------------------------- global memory
+
+struct Range {
+  uintptr_t lo, hi;
+};
+std::vector<Range> global_ranges;  // the data of every guarded buffer, sorted and disjoint
+size_t last_range = 0;              // where the last lookup landed: accesses come in runs
+
+// What one CTA of a launch did: barriers executed (once per barrier, not per thread) and global memory moved.
+struct CtaCount {
+  uint64_t x, y, barriers, read_bytes, written_bytes, atomics, read_words, written_words;
+};
+std::vector<CtaCount> cta_counts;  // of the current (or last) launch, in the order the CTAs ran
+bool in_cta = false;
+// With footprints on, read_words and written_words count the distinct 4-byte words of global memory the CTA
+// read and wrote (an atomic's word in both): the bytes it would move if every re-read hit a cache.
+bool track_footprint = false;
+std::unordered_set<uintptr_t> read_set, written_set;
+
+// Accesses to one 4-byte word of global memory since the CTA's last barrier.
+struct Shadow {
+  int writer = -1;  // the first thread that wrote it (or made an atomic), -1 when none
+  int reader = -1;  // the first that read it (or made an atomic)
+  bool many_writers = false, many_readers = false;
+  bool plain_write = false, plain_read = false;  // some write (read) was not an atomic
+};
+std::unordered_map<uintptr_t, Shadow> shadow;
+// The same for the whole launch, by CTA: CTAs of one launch never synchronize with each other.
+std::unordered_map<uintptr_t, Shadow> launch_shadow;
+int cta_index = -1;  // the running CTA's index in the launch's order
+bool check_races = true;
+
+// Records an access of `who` to the word `s` describes; returns the other party when it races with an earlier
+// access (two parties, one writing, not both atomic), else -1.
+int record(Shadow& s, int who, bool write, bool atomic) {
+  const bool other_writer = s.writer >= 0 && (s.writer != who || s.many_writers);
+  const bool other_reader = s.reader >= 0 && (s.reader != who || s.many_readers);
+  bool race;
+  if (atomic) {
+    race = (other_writer && s.plain_write) || (other_reader && s.plain_read);
+  } else if (write) {
+    race = other_writer || other_reader;
+  } else {
+    race = other_writer;
+  }
+  if (race) return other_writer && s.writer != who ? s.writer : s.reader != who ? s.reader : s.writer;
+  if (write || atomic) {
+    if (s.writer < 0) s.writer = who; else if (s.writer != who) s.many_writers = true;
+    s.plain_write |= !atomic;
+  }
+  if (!write || atomic) {
+    if (s.reader < 0) s.reader = who; else if (s.reader != who) s.many_readers = true;
+    s.plain_read |= !atomic;
+  }
+  return -1;
+}
+
+const char* code_at(const void* pc, char* buf, size_t n) {
+  Dl_info info;
+  if (pc != nullptr && dladdr(pc, &info) && info.dli_sname != nullptr) {
+    snprintf(buf, n, "%s+0x%zx", info.dli_sname, (size_t)((const char*)pc - (const char*)info.dli_saddr));
+  } else {
+    snprintf(buf, n, "%p", pc);
+  }
+  return buf;
+}
+
+const Range* global_range(uintptr_t a) {
+  if (last_range < global_ranges.size() && a - global_ranges[last_range].lo < global_ranges[last_range].hi -
+                                                                               global_ranges[last_range].lo) {
+    return &global_ranges[last_range];
+  }
+  auto it = std::upper_bound(global_ranges.begin(), global_ranges.end(), a,
+                             [](uintptr_t v, const Range& r) { return v < r.lo; });
+  if (it == global_ranges.begin()) return nullptr;
+  --it;
+  if (a >= it->hi) return nullptr;
+  last_range = static_cast<size_t>(it - global_ranges.begin());
+  return &*it;
+}
+
 uint64_t next_random() {  // xorshift64*
   rng ^= rng >> 12;
   rng ^= rng << 25;
@@ -204,6 +299,49 @@ void fail(const char* fmt, ...) {
   va_end(ap);
   error = buf;
   failed = true;
+}
+
+// A load (write = false), store or atomic (both) of `bytes` at `p` by the running thread, from code at `pc`.
+void global_access(const void* p, size_t bytes, bool write, bool atomic, const void* pc) {
+  if (!in_cta || running < 0 || failed || bytes == 0) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const Range* range = global_range(a);
+  if (range == nullptr) return;
+  CtaCount& c = cta_counts.back();
+  if (atomic) {
+    c.read_bytes += bytes;
+    c.written_bytes += bytes;
+    ++c.atomics;
+  } else {
+    (write ? c.written_bytes : c.read_bytes) += bytes;
+  }
+  if (track_footprint) {
+    for (uintptr_t w = a >> 2; w <= (a + bytes - 1) >> 2; ++w) {
+      if (!write || atomic) c.read_words += read_set.insert(w).second;
+      if (write || atomic) c.written_words += written_set.insert(w).second;
+    }
+  }
+  if (!check_races) return;
+  const char* what = atomic ? "makes an atomic on" : write ? "writes" : "reads";
+  char where[256];
+  for (uintptr_t w = a >> 2; w <= (a + bytes - 1) >> 2; ++w) {
+    const int other = record(shadow[w], running, write, atomic);
+    if (other >= 0) {
+      fail("data race on global memory: thread %d %s byte %zu of a %zu-byte buffer that thread %d touched since the "
+           "last barrier (CTA %u, %u; code %s): a read-modify-write that is not atomic, or a missing barrier",
+           running, what, (size_t)(a - range->lo), (size_t)(range->hi - range->lo), other, block_idx.x,
+           block_idx.y, code_at(pc, where, sizeof where));
+      return;
+    }
+    const int other_cta = record(launch_shadow[w], cta_index, write, atomic);
+    if (other_cta >= 0) {
+      fail("data race on global memory: CTA (%u, %u) %s byte %zu of a %zu-byte buffer that another CTA of the "
+           "launch touched (code %s): CTAs of one launch never wait for each other, so only atomics may share a "
+           "word that one of them writes", block_idx.x, block_idx.y, what, (size_t)(a - range->lo),
+           (size_t)(range->hi - range->lo), code_at(pc, where, sizeof where));
+      return;
+    }
+  }
 }
 
 bool same_site(Site a, Site b) { return a.line == b.line && std::strcmp(a.file, b.file) == 0; }
@@ -291,6 +429,8 @@ void release_or_report(int nthreads) {
       any |= fibers[i].predicate;
     }
     ++stats[1];
+    ++cta_counts.back().barriers;
+    shadow.clear();  // the barrier orders every access before it
     ready.redraw(nthreads);
     for (int i = 0; i < nthreads; ++i) {
       fibers[i].result = any;
@@ -346,6 +486,10 @@ int barrier(int predicate, Site site) {
   f.state = AT_BARRIER;
   to_scheduler();
   return static_cast<int>(f.result);
+}
+
+void atomic_access(const void* p, size_t bytes) {
+  global_access(p, bytes, true, true, __builtin_return_address(0));
 }
 
 void preempt_point() {
@@ -468,6 +612,15 @@ Buffer map_guarded(size_t bytes) {
   return {region, total, data, bytes};
 }
 
+// The kernels' global memory is the data of the guarded buffers.
+void ranges_changed() {
+  hs::global_ranges.clear();
+  for (auto& [p, b] : buffers) {
+    hs::global_ranges.push_back({reinterpret_cast<uintptr_t>(b.data), reinterpret_cast<uintptr_t>(b.data + b.bytes)});
+  }
+  hs::last_range = 0;
+}
+
 bool intact(const Buffer& b) {
   for (char* p = b.region + hs::kPage; p < b.data; ++p) {
     if (static_cast<unsigned char>(*p) != kCanary) return false;
@@ -488,6 +641,7 @@ void* hs_alloc(size_t bytes) {
   if (b.data == nullptr) return nullptr;
   std::memset(b.data, 0, bytes);
   buffers[b.data] = b;
+  ranges_changed();
   return b.data;
 }
 
@@ -496,6 +650,7 @@ void hs_free(void* p) {
   if (it == buffers.end()) return;
   munmap(it->second.region, it->second.region_bytes);
   buffers.erase(it);
+  ranges_changed();
 }
 
 // Number of buffers written outside their bounds (their canaries changed) since they were allocated.
@@ -511,6 +666,28 @@ const char* hs_error() { return hs::error.c_str(); }
 void hs_stats(uint64_t* out) { std::memcpy(out, hs::stats, sizeof hs::stats); }
 
 int hs_has_kernel(const char* name) { return hs::registry().count(name) != 0; }
+
+// What each CTA of the last launch did, in the order they ran: eight words per CTA (x, y, barriers executed,
+// global bytes read, global bytes written, atomics on global memory, distinct 4-byte words read and written,
+// these two only while footprints are on; an atomic counts as a read and a write). Writes at most `max` CTAs;
+// returns how many the launch ran.
+int hs_cta_counts(uint64_t* out, int max) {
+  const int n = static_cast<int>(hs::cta_counts.size());
+  for (int i = 0; i < n && i < max; ++i) {
+    const auto& c = hs::cta_counts[i];
+    const uint64_t words[8] = {c.x, c.y, c.barriers, c.read_bytes, c.written_bytes, c.atomics, c.read_words,
+                               c.written_words};
+    std::memcpy(out + 8 * i, words, sizeof words);
+  }
+  return n;
+}
+
+// Whether launches look for data races on global memory (on by default).
+void hs_check_races(int on) { hs::check_races = on != 0; }
+
+// Whether launches count the distinct words each CTA reads and writes (off by default: it costs a set insert
+// per access).
+void hs_track_footprint(int on) { hs::track_footprint = on != 0; }
 
 // Runs a kernel launch like cuLaunchKernel: `args` points at each parameter's value. Returns 0, or -1 with
 // hs_error() saying what went wrong (unknown kernel, a barrier or collective misused, a deadlock, shared
@@ -545,18 +722,63 @@ int hs_launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, si
     for (unsigned x = 0; x < gx; ++x) order.emplace_back(x, y);
   }
   for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+  cta_counts.clear();
+  launch_shadow.clear();
   for (auto [x, y] : order) {
     if (failed) break;
     block_idx = {x, y, 0};
     garbage(smem, smem_bytes);
     if (__start_hs_shared != nullptr) garbage(__start_hs_shared, __stop_hs_shared - __start_hs_shared);
+    cta_counts.push_back({x, y, 0, 0, 0, 0, 0, 0});
+    cta_index = static_cast<int>(cta_counts.size()) - 1;
+    shadow.clear();
+    read_set.clear();
+    written_set.clear();
+    in_cta = true;
     run_cta(static_cast<int>(threads));
+    in_cta = false;
     if (!intact(shared)) fail("CTA (%u, %u) wrote past its %zu bytes of dynamic shared memory", x, y, smem_bytes);
   }
   alarm(0);
+  shadow.clear();
+  launch_shadow.clear();
   munmap(shared.region, shared.region_bytes);
   smem = nullptr;
   return failed ? -1 : 0;
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------- instrumentation
+
+// The hooks g++ calls from code built with -fsanitize=thread (the kernel sources; this file is not built so).
+// Function entry and exit are turned off by the build (--param=tsan-instrument-func-entry-exit=0) and ignored.
+#define HS_TSAN_SIZE(n)                                                                                   \
+  void __tsan_read##n(void* p) { hs::global_access(p, n, false, false, __builtin_return_address(0)); }    \
+  void __tsan_write##n(void* p) { hs::global_access(p, n, true, false, __builtin_return_address(0)); }    \
+  void __tsan_unaligned_read##n(void* p) {                                                               \
+    hs::global_access(p, n, false, false, __builtin_return_address(0));                                  \
+  }                                                                                                       \
+  void __tsan_unaligned_write##n(void* p) {                                                              \
+    hs::global_access(p, n, true, false, __builtin_return_address(0));                                   \
+  }                                                                                                       \
+  void __tsan_volatile_read##n(void* p) { hs::global_access(p, n, false, false, __builtin_return_address(0)); } \
+  void __tsan_volatile_write##n(void* p) { hs::global_access(p, n, true, false, __builtin_return_address(0)); }
+
+extern "C" {
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+HS_TSAN_SIZE(1)
+HS_TSAN_SIZE(2)
+HS_TSAN_SIZE(4)
+HS_TSAN_SIZE(8)
+HS_TSAN_SIZE(16)
+void __tsan_read_range(void* p, unsigned long n) {
+  hs::global_access(p, n, false, false, __builtin_return_address(0));
+}
+void __tsan_write_range(void* p, unsigned long n) {
+  hs::global_access(p, n, true, false, __builtin_return_address(0));
+}
+}  // extern "C"
+#undef HS_TSAN_SIZE

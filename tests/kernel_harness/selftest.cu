@@ -97,3 +97,16 @@ extern "C" __global__ void selftest_scan_twice(int* out) {
   const int b = scan_without_last_barrier(2, &total, warp_sums);
   out[threadIdx.x] = a * 10000 + b;
 }
+
+// Every thread adds 1 to out[0] (mode 0: atomicAdd; 1: a plain +=, a lost-update race; 2: atomicAdd, then, after
+// a barrier, thread 0 reads the sum: no race) and writes out[1 + its index] (its own word: never a race).
+extern "C" __global__ void selftest_global_add(int* out, int mode) {
+  if (mode == 1) {
+    out[0] += 1;
+  } else {
+    atomicAdd(&out[0], 1);
+  }
+  out[1 + threadIdx.x] = (int)threadIdx.x;
+  __syncthreads();
+  if (mode == 2 && threadIdx.x == 0) out[1] = out[0];
+}

@@ -274,24 +274,20 @@ def resolve_launches(
     host_rows: int,
     rows_per_request: int,
     max_smem: int,
-    sm_count: int,
 ) -> list[KernelLaunch]:
-    """hisparse_resolve, then hisparse_replay of its plan for the call's layers (``layers`` is the address of
-    their table). Shapes are taken as checked."""
+    """hisparse_resolve, which copies its misses into the call's layers itself (``layers`` is the address of
+    their table): one launch, none after it on a step without misses. Shapes are taken as checked."""
     R, K = topk.shape
     S, G, H = hot_pos.shape
     P = block_table.shape[1]
     shared = sizes.resolve_shared(top_k=K, hot_rows=H, batch_rows=R, rows_per_request=rows_per_request,
                                   limit=max_smem)
     tensors = (topk, row_state, seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat, status,
-               counters, out, miss_plan, miss_count)
+               counters, out, miss_plan, miss_count, layers)
     args = (*map(_ptr, tensors), *_ints(R, K, S, P, G, H, hot_blocks.shape[1], group, num_layers, block_size,
                                          row_bytes, gpu_rows // block_size, host_rows // block_size,
                                          shared.capacity))
-    resolve = KernelLaunch("hisparse_resolve", (R, 1), sizes.RESOLVE_THREADS, shared.dynamic_bytes, args)
-    return [resolve, *replay_launches(miss_plan=miss_plan, miss_count=miss_count, layers=layers,
-                                      num_layers=num_layers, row_bytes=row_bytes, gpu_rows=gpu_rows,
-                                      host_rows=host_rows, sm_count=sm_count)]
+    return [KernelLaunch("hisparse_resolve", (R, 1), sizes.RESOLVE_THREADS, shared.dynamic_bytes, args)]
 
 
 def replay_launches(*, miss_plan: torch.Tensor, miss_count: torch.Tensor, layers: int, num_layers: int,
@@ -416,7 +412,7 @@ def resolve(
         hot_blocks=hot_blocks, hot_pos=hot_pos, hot_lru=hot_lru, heat=heat, status=status, counters=counters,
         out=out, miss_plan=miss_plan, miss_count=miss_count, group=group, block_size=block_size,
         layers=lay.table.data_ptr(), num_layers=lay.count, row_bytes=lay.row_bytes, gpu_rows=lay.gpu_rows,
-        host_rows=lay.host_rows, rows_per_request=rows_per_request, max_smem=dev.max_smem, sm_count=dev.sm_count,
+        host_rows=lay.host_rows, rows_per_request=rows_per_request, max_smem=dev.max_smem,
     )
     _run(device.index, launches)
 
