@@ -4,10 +4,8 @@
 //! Every entry is checked against the tensors' sizes before anything is written, so a plan from a
 //! manager configured larger than the worker's layout, or a corrupted one, is refused whole.
 
-use std::collections::{HashMap, HashSet};
-
 use crate::error::{invalid, Result};
-use crate::plan::StepPlan;
+use crate::plan::{Restore, StepPlan};
 use crate::reference::{copy_units, Direction, LayerSlabs};
 
 /// The worker's state tensors for `S` rows, `P` pages, `HB` hot blocks, `G` groups and `H` hot rows,
@@ -99,22 +97,17 @@ pub fn check_plan(
     }
     // One entry per row (or page) and section: a device applies a section's entries in parallel, so two
     // entries for one place would leave either, or a mix.
-    let once = |what: &str, keys: &mut dyn Iterator<Item = (u32, u32)>| -> Result<()> {
-        let mut seen = HashSet::new();
-        for k in keys {
-            if !seen.insert(k) {
-                return invalid(format!("the plan has two {what} entries for {k:?}"));
-            }
-        }
-        Ok(())
+    let once = |what: &str, keys: Vec<(u32, u32)>| match repeated(keys) {
+        Some(k) => invalid(format!("the plan has two {what} entries for {k:?}")),
+        None => Ok(()),
     };
-    once("cleared row", &mut plan.cleared_rows.iter().map(|&r| (r, 0)))?;
-    once("seq_len", &mut plan.seq_lens.iter().map(|l| (l.row, 0)))?;
-    once("table (row, page)", &mut plan.table_updates.iter().map(|u| (u.row, u.page)))?;
-    once("hot region row", &mut plan.hot_updates.iter().map(|h| (h.row, 0)))?;
-    once("scheduled row", &mut plan.scheduled.iter().map(|s| (s.row, 0)))?;
+    once("cleared row", plan.cleared_rows.iter().map(|&r| (r, 0)).collect())?;
+    once("seq_len", plan.seq_lens.iter().map(|l| (l.row, 0)).collect())?;
+    once("table (row, page)", plan.table_updates.iter().map(|u| (u.row, u.page)).collect())?;
+    once("hot region row", plan.hot_updates.iter().map(|h| (h.row, 0)).collect())?;
+    once("scheduled row", plan.scheduled.iter().map(|s| (s.row, 0)).collect())?;
     for h in &plan.hot_updates {
-        once("hot block of one row", &mut h.blocks.iter().map(|&b| (h.row, b)))?;
+        once("hot block of one row", h.blocks.iter().map(|&b| (h.row, b)).collect())?;
     }
     for &row in &plan.cleared_rows {
         within("cleared row", row as i64, 0, s)?;
@@ -146,12 +139,13 @@ pub fn check_plan(
     // that row's length after the step as exactly start + tokens, for the same request. Lengths are
     // bounded by the table above, so neither path can write a position (or a row) the plan does not own,
     // and no size derived from the counts exceeds what the layout implies.
-    let lengths: HashMap<u32, (u32, u64)> =
-        plan.seq_lens.iter().map(|l| (l.row, (l.len, l.request))).collect();
+    let mut lengths: Vec<(u32, u32, u64)> = plan.seq_lens.iter().map(|l| (l.row, l.len, l.request)).collect();
+    lengths.sort_unstable(); // one per row (checked above)
     for sch in &plan.scheduled {
         within("scheduled row", sch.row as i64, 0, s)?;
         let end = sch.start as u64 + sch.tokens as u64;
-        if lengths.get(&sch.row).map(|&(len, request)| (len as u64, request)) != Some((end, sch.request)) {
+        let given = lengths.binary_search_by_key(&sch.row, |&(row, _, _)| row).ok().map(|i| lengths[i]);
+        if given.map(|(_, len, request)| (len as u64, request)) != Some((end, sch.request)) {
             return invalid(format!(
                 "the plan schedules request {} to write positions {}..{end} of row {}, but does not give that \
                  row's length as {end} for that request",
@@ -160,31 +154,38 @@ pub fn check_plan(
         }
     }
     // A restore lands in a block the plan's own table gives the page it restores.
-    let tables: HashSet<(u32, i32)> =
-        plan.table_updates.iter().map(|u| (u.gpu_block, u.host_block)).collect();
-    let mut restored = HashSet::with_capacity(plan.restores.len());
     for c in &plan.restores {
         within("restored GPU block", c.gpu_block as i64, 1, gpu_blocks)?;
         within("restored host block", c.host_block as i64, 0, host_blocks)?;
-        if !restored.insert(c.gpu_block) {
-            return invalid(format!("the plan restores two pages into GPU block {}", c.gpu_block));
-        }
     }
-    if let Some(c) = plan.restores.iter().find(|c| !tables.contains(&(c.gpu_block, c.host_block as i32))) {
+    if let Some(block) = repeated(plan.restores.iter().map(|c| c.gpu_block).collect()) {
+        return invalid(format!("the plan restores two pages into GPU block {block}"));
+    }
+    let mut tables: Vec<(u32, i32)> =
+        plan.table_updates.iter().map(|u| (u.gpu_block, u.host_block)).collect();
+    tables.sort_unstable();
+    let named = |c: &&Restore| tables.binary_search(&(c.gpu_block, c.host_block as i32)).is_ok();
+    if let Some(c) = plan.restores.iter().find(|c| !named(c)) {
         return invalid(format!(
             "the plan restores host block {} into GPU block {}, which none of its table entries names",
             c.host_block, c.gpu_block
         ));
     }
-    let mut written = HashSet::with_capacity(plan.materialize.len());
     for c in &plan.materialize {
         within("copied GPU block", c.gpu_block as i64, 1, gpu_blocks)?;
         within("copied host block", c.host_block as i64, 0, host_blocks)?;
-        if !written.insert(c.host_block) {
-            return invalid(format!("the plan copies two pages into host block {}", c.host_block));
-        }
+    }
+    if let Some(block) = repeated(plan.materialize.iter().map(|c| c.host_block).collect()) {
+        return invalid(format!("the plan copies two pages into host block {block}"));
     }
     Ok(())
+}
+
+/// The smallest key that occurs twice. Sorting, not hashing: the keys come from outside (a plan's bytes),
+/// and std's SipHash costs more than the sort on the few hundred entries of a decode step's plan.
+fn repeated<K: Ord + Copy>(mut keys: Vec<K>) -> Option<K> {
+    keys.sort_unstable();
+    keys.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 /// Applies `plan` in SPEC.md's order: cleared rows, the rows' requests, lengths, table entries and
