@@ -357,6 +357,14 @@ fn short_step_says_how_many_blocks_are_missing() {
     assert_eq!(m.stats(), before);
 }
 
+/// Request `id` writes 21 tokens whose pages hash to `hashes`, they are copied and published, and it ends.
+fn publish_and_finish(m: &mut ResidencyManager, id: u64, hashes: &[u64]) {
+    m.admit(id, 21, hashes, None).unwrap();
+    decode(m, &[id], 21, 1);
+    decode(m, &[id], 1, 2);
+    m.finish(id).unwrap();
+}
+
 /// Others take every free block, so the GPU copies of `hashes` are reused and the prefix is on the host
 /// only; then `id` is admitted from it.
 fn admit_from_host_only_prefix(m: &mut ResidencyManager, id: u64, hashes: &[u64]) -> Admission {
@@ -372,10 +380,7 @@ fn admit_from_host_only_prefix(m: &mut ResidencyManager, id: u64, hashes: &[u64]
 fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     let mut m = small();
     let hashes: Vec<u64> = (1..=5).collect();
-    m.admit(1, 21, &hashes, None).unwrap();
-    decode(&mut m, &[1], 21, 1);
-    decode(&mut m, &[1], 1, 2); // the pages are written, copied and published
-    m.finish(1).unwrap();
+    publish_and_finish(&mut m, 1, &hashes);
     // The GPU copies are still readable: a new request adopts them without any copy.
     let a = m.admit(2, 21, &hashes, None).unwrap();
     assert_eq!(a.cached_tokens, 20);
@@ -418,10 +423,7 @@ fn preempted_request_resumes_from_host_without_recompute() {
 fn a_rebuilt_worker_gets_the_whole_state_and_the_lost_step_again() {
     let mut m = small();
     let hashes: Vec<u64> = (1..=5).collect();
-    m.admit(1, 21, &hashes, None).unwrap();
-    decode(&mut m, &[1], 21, 1);
-    decode(&mut m, &[1], 1, 2); // the pages are written, copied and published
-    m.finish(1).unwrap();
+    publish_and_finish(&mut m, 1, &hashes);
     admit_from_host_only_prefix(&mut m, 4, &hashes);
     m.admit(2, 9, &[], None).unwrap();
     let lost = m.plan_step(&[(4, 1), (2, 9)]).unwrap();
