@@ -1,11 +1,18 @@
 """A CPU harness that runs vLLM 0.33.0's own scheduler stack and checks every KV row a sparse-MLA step reads.
 
-What is vLLM's, unchanged: ``VllmConfig`` (DeepSeek-V3.2 shapes from a local ``config.json``: 61 sparse-MLA
-layers, 61 indexer caches, block 64, top-K 2048, ``fp8_ds_mla`` 656-byte rows), the KV cache planner
+What is vLLM's, unchanged: ``VllmConfig`` (from a local ``config.json``: DeepSeek-V3.2's shapes, 61 sparse-MLA
+layers, 61 indexer caches; or GLM-5.3's, ``model="glm5.3"``: 78 sparse-MLA layers, 21 indexer caches by
+IndexShare; block 64, top-K 2048, ``fp8_ds_mla`` 656-byte rows), the KV cache planner
 (``get_global_kv_cache_groups`` / ``get_kv_cache_configs`` with HiSparse's group layout), ``Scheduler`` and
 ``AsyncScheduler``, the KV cache manager and its HiSparse spec managers, the connector factory (which loads
 our connector through ``kv_connector_module_path``), ``SchedulerOutput`` / ``ModelRunnerOutput`` /
-``KVConnectorOutput`` and vLLM's own row-mirror selection (``_select_written_row_mirrors``).
+``KVConnectorOutput`` and vLLM's own row-mirror selection (``_select_written_row_mirrors``). With
+``offload_gib``: vLLM's ``MultiConnector`` (HiSparse's connector and vLLM's ``OffloadingConnector`` with
+``TieringOffloadingSpec``, as the published GLM-5.3 deployment runs them), both children's scheduler sides,
+and the offloading connector's worker side (``OffloadingConnector`` / ``OffloadingConnectorWorker``: job
+bookkeeping, deferred stores, sync loads waited for, flushes on block reuse, ``get_finished``, its worker
+metadata), called in vLLM's worker order (``v1/worker/gpu/kv_connector.py``), and ``MultiConnector``'s worker
+metadata around both children's.
 
 What is faked, because it needs CUDA (each is the smallest stand-in, and none of it is in the shipped plugin):
 
@@ -28,6 +35,14 @@ What is faked, because it needs CUDA (each is the smallest stand-in, and none of
 - A worker that dies and is replaced (:meth:`FakeWorker.rebuild`, as vLLM starts a new worker process):
   the new one starts from nothing (zeroed slab and host pool, empty tables, nothing in flight), and the dead
   one's late report can be delivered with a later step's output (:meth:`FakeWorker.late_report`).
+- The offloading connector's copy engine (:class:`TierCopyWorker`): vLLM's ``CPUOffloadingWorker`` needs
+  CUDA (device tensors, a stream and events per transfer, the ``swap_blocks`` kernels). The stand-in keeps
+  the tier's rows per CPU chunk and copies when a job completes (late, out of order; at once when vLLM waits
+  for it), so a tier that hands back other bytes than it stored is caught by the reads. The scheduler-side
+  tier (``TieringOffloadingManager`` and its ``/dev/shm`` region) is vLLM's.
+- MTP under async scheduling: the scheduler sends placeholder drafts; the fake worker proposes its own and
+  keeps its own count of computed tokens, as vLLM's worker (Model Runner V2) does, so drafts are accepted and
+  rejected under either scheduling.
 - Selection heat: the fake counts and ranks it with the plugin's own worker code (``SelectionHeat``, built
   by ``connector.build_selection_heat`` from the same config), called where the GPU worker calls it: before
   the forward, after each counted index group's resolve, and after the forward.
@@ -43,6 +58,7 @@ import os
 import pickle
 import re
 import tempfile
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,33 +91,76 @@ DSV32 = {
 }
 
 
-def model_dir() -> str:
-    """A directory holding DeepSeek-V3.2's ``config.json`` (no weights: the scheduler needs none)."""
-    path = Path(tempfile.gettempdir()) / "hisparse-dsv32-config"
+# GLM-5.3 (FACTS.md): 78 sparse-MLA layers, IndexShare (IndexCache, arXiv 2603.12201): ``index_topk_freq`` 4 with
+# vLLM's and transformers' default ``index_skip_topk_offset`` 2 puts an indexer in layers 0, 1, 5, 9, ..., 77
+# (21 in all); the others reuse the previous indexer layer's top-K. vLLM's planner makes 21 resident and 21 hot
+# groups of it (1, 4 x 19, 1 layers). 32 x 128 indexer heads, 1M positions; the rest as transformers'
+# ``GlmMoeDsaConfig`` defaults.
+GLM53 = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 154880,
+    "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048,
+    "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "index_topk": TOP_K,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk_freq": 4,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+}
+MODELS = {"dsv32": DSV32, "glm5.3": GLM53}
+
+
+def model_dir(model: str = "dsv32") -> str:
+    """A directory holding the model's ``config.json`` (no weights: the scheduler needs none)."""
+    path = Path(tempfile.gettempdir()) / f"hisparse-{model}-config"
     path.mkdir(exist_ok=True)
     cfg = path / "config.json"
-    text = json.dumps(DSV32)
+    text = json.dumps(MODELS[model])
     if not cfg.exists() or cfg.read_text() != text:
         cfg.write_text(text)
     return str(path)
 
 
-def kv_specs():
-    """The layer specs DeepSeek-V3.2's attention modules report (``mla_attention.py:1371``,
-    ``deepseek_v2.py:659``): one sparse-MLA cache (656-byte ``fp8_ds_mla`` rows) and one indexer key cache
-    (132-byte rows) per layer; every layer leads its own index group."""
+def indexer_layers(model: str = "dsv32") -> list[int]:
+    """The layers that run an indexer (lead an index group), by vLLM's rule (``deepseek_v2.py:1145-1153``:
+    a layer skips top-K when ``max(layer - offset + 1, 0) % index_topk_freq != 0``)."""
+    cfg = MODELS[model]
+    freq, offset = cfg.get("index_topk_freq", 1), cfg.get("index_skip_topk_offset", 2)
+    return [i for i in range(cfg["num_hidden_layers"]) if max(i - offset + 1, 0) % freq == 0]
+
+
+def kv_specs(model: str = "dsv32"):
+    """The layer specs the model's attention modules report (``mla_attention.py:1371``,
+    ``deepseek_v2.py:659``): one sparse-MLA cache (656-byte ``fp8_ds_mla`` rows) per layer, and one indexer
+    key cache (132-byte rows) per indexer layer, which leads an index group (DeepSeek-V3.2: every layer;
+    GLM-5.3: :func:`indexer_layers`); the other layers read their leader's top-K."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
+    leaders = set(indexer_layers(model))
     specs = {}
-    for i in range(LAYERS):
+    for i in range(MODELS[model]["num_hidden_layers"]):
         specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.uint8,
             cache_dtype_str="fp8_ds_mla", state_content_bytes=656, topk_buffer_width=TOP_K,
-            is_index_group_leader=True)
-        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER)
+            is_index_group_leader=i in leaders)
+        if i in leaders:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER)
     return specs
+
+
+def offload_connector_config(offload_gib: float, extra: dict | None = None) -> dict:
+    """vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` and a CPU primary tier of ``offload_gib``
+    (the published deployment's 128 GiB beside a 384 GiB HiSparse pool), no secondary tier: one MultiConnector
+    child, placed after HiSparse's (vLLM loads from the first child that reports a hit; HiSparse never
+    does, and its "wait" must be answered before the offloading child books a load). ``extra``: more of the
+    offloading connector's ``kv_connector_extra_config`` (``sync_load_budget_bytes``...). Beside HiSparse
+    vLLM offloads only the indexer group (``offloading/config.py:get_offloading_group_ids``); alone, every
+    prefix-cacheable group."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                          "cpu_bytes_to_use": int(offload_gib * 2**30), **(extra or {})}}
 
 
 @dataclass
@@ -111,15 +170,28 @@ class Setup:
     scheduler: object
     block_hasher: object
     mode: str
+    # An OffloadingConnector beside HiSparse (MultiConnector) or alone (mode "plain").
+    offload: bool = False
+    model: str = "dsv32"
+
+    @property
+    def num_layers(self) -> int:
+        return MODELS[self.model]["num_hidden_layers"]
 
 
 def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs: int = 32,
           max_num_batched_tokens: int = 8192, async_scheduling: bool = False, prefix_caching: bool = True,
           host_pool_gib: float = 8.0, num_spec_tokens: int = 0, extra: dict | None = None,
-          num_gpu_blocks: int | None = None, device_buffer_size: int | None = None) -> Setup:
+          num_gpu_blocks: int | None = None, device_buffer_size: int | None = None,
+          offload_gib: float | None = None, offload_extra: dict | None = None, offload_first: bool = False,
+          model: str = "dsv32") -> Setup:
     """vLLM's engine-core setup (``v1/engine/core.py:_initialize_kv_caches`` and ``EngineCore.__init__``)
     for ``mode``: ``"plain"`` (vLLM without HiSparse), ``"native"`` (vLLM's HiSparseConnector) or
-    ``"hisparse"`` (ours, by ``kv_connector_module_path``). ``gpu_gib`` of KV memory in every mode."""
+    ``"hisparse"`` (ours, by ``kv_connector_module_path``). ``gpu_gib`` of KV memory in every mode.
+    ``offload_gib``: vLLM's ``OffloadingConnector`` (:func:`offload_connector_config`) with a CPU tier that
+    size, inside vLLM's ``MultiConnector`` after the HiSparse connector, or alone in ``"plain"`` mode (the
+    published deployment's baseline); :class:`FakeWorker` then runs its worker side too. ``offload_first``:
+    the offloading child before HiSparse's."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.config.attention import HiSparseConfig
     from vllm.platforms import current_platform
@@ -143,8 +215,8 @@ def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs
 
     # CPU patch 1: the hybrid KV cache manager, which HiSparse needs and every CUDA platform has.
     current_platform.support_hybrid_kv_cache = lambda: True
-    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len,
-                        dtype="bfloat16")
+    model_name, model = model, ModelConfig(model=model_dir(model), skip_tokenizer_init=True,
+                                           max_model_len=max_model_len, dtype="bfloat16")
     spec_config = None
     if num_spec_tokens:
         from vllm.config import ParallelConfig, SpeculativeConfig
@@ -157,22 +229,30 @@ def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs
     cache = CacheConfig(block_size=BLOCK, cache_dtype="fp8_ds_mla", enable_prefix_caching=prefix_caching)
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                     device_config=DeviceConfig(device="cpu"), speculative_config=spec_config)
+    connectors = []
     if mode != "plain":
         # CPU patch 2: what __post_init__ does on CUDA once it sees a connector named HiSparseConnector.
         extra_config = {"host_pool_gib": host_pool_gib, **(extra or {})}
         kv = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
         if mode == "hisparse":
             kv["kv_connector_module_path"] = "hisparse.integrations.vllm"
-        vc.kv_transfer_config = KVTransferConfig(**kv)
+        connectors.append(kv)
         # vLLM's --attention-config '{"hisparse_config": {"device_buffer_size": N}}': hot-region rows per request.
         vc.attention_config.hisparse_config = HiSparseConfig(device_buffer_size=device_buffer_size)
+    if offload_gib:
+        connectors.insert(0 if offload_first else len(connectors), offload_connector_config(offload_gib, offload_extra))
+    if len(connectors) == 1:
+        vc.kv_transfer_config = KVTransferConfig(**connectors[0])
+    elif connectors:
+        vc.kv_transfer_config = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                                 kv_connector_extra_config={"connectors": connectors})
     if num_gpu_blocks is not None:
         vc.cache_config.num_gpu_blocks_override = num_gpu_blocks
-    specs = kv_specs()
+    specs = kv_specs(model_name)
     register_all_kvcache_specs(vc)
     layouts = [layout.name for layout in get_supported_kv_cache_layouts([FlashMLASparseBackend,
                                                                           DeepseekV32IndexerBackend])]
-    if mode != "plain":
+    if connectors:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         connector_cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
@@ -205,7 +285,11 @@ def build(*, mode: str, gpu_gib: float, max_model_len: int = 16384, max_num_seqs
     init_none_hash(get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
     hasher = get_request_block_hasher(hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo),
                                       vc.num_hash_lookahead_tokens)
-    return Setup(vc, kc, scheduler, hasher, mode)
+    setup = Setup(vc, kc, scheduler, hasher, mode, offload=bool(offload_gib), model=model_name)
+    if offload_gib:
+        # The offloading scheduler maps its CPU tier in /dev/shm: give it back when the setup goes.
+        weakref.finalize(setup, scheduler.connector.shutdown)
+    return setup
 
 
 # ---------------------------------------------------------------------------------------------- content
@@ -277,26 +361,45 @@ class Stats:
     transfers_lost: int = 0
     prefix_hit_tokens: int = 0
     host_only_prefix_admissions: int = 0
+    aborted: int = 0
+    # The offloading tier (TierCopyWorker): blocks stored and loaded back, jobs completed out of order.
+    tier_blocks_stored: int = 0
+    tier_blocks_loaded: int = 0
+    tier_jobs_reordered: int = 0
+    tier_sync_loads: int = 0
+    tier_flushes: int = 0
+    # MTP: draft tokens the fake model accepted and rejected.
+    drafts_accepted: int = 0
+    drafts_rejected: int = 0
+    tier_async_loads: int = 0
     trace: list = field(default_factory=list)
 
 
 class FakeWorker:
     """Applies each ``SchedulerOutput`` the way vLLM's GPU worker and HiSparse connector worker do, with a
     fake forward that writes tags at vLLM's slots and reads every selected top-K row back (module
-    docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks."""
+    docstring). ``tp`` > 1 runs the connector metadata through vLLM's ``aggregate`` as that many ranks (the
+    HiSparse connector's only). With an offloading connector in the setup, its worker side runs too
+    (:class:`TierCopyWorker`, seeded by ``offload_seed``, every job complete within ``offload_lag`` calls)."""
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
-                 record: bool = False, data: bool = True, completion_lag: int = 0):
+                 record: bool = False, data: bool = True, completion_lag: int = 0, offload_seed: int = 0,
+                 offload_lag: int = 3):
         # What rebuild() starts the new worker process with: only its arguments (vLLM's config).
         self._args = {"reads": reads, "layers": layers, "tp": tp, "record": record, "data": data,
-                      "completion_lag": completion_lag}
+                      "completion_lag": completion_lag, "offload_seed": offload_seed, "offload_lag": offload_lag}
         # A late message from a worker that died (rebuild): merged into the next step's output.
         self._late = None
         kc = setup.kv_cache_config
         self.setup = setup
         self.mode = setup.mode
         self.reads = reads
-        self.layers = list(range(LAYERS)) if layers is None else layers
+        num_layers = setup.num_layers
+        self.layers = list(range(num_layers)) if layers is None else layers
+        # The indexer layer whose top-K each layer reads (itself for an indexer layer), and its index group.
+        leaders = indexer_layers(setup.model)
+        self.leader_of = {i: max(j for j in leaders if j <= i) for i in range(num_layers)}
+        self.index_group_of = {layer: k for k, layer in enumerate(leaders)}
         self.tp = tp
         self.num_blocks = kc.num_blocks
         self.max_pages = setup.vllm_config.model_config.max_model_len // BLOCK + 1
@@ -314,7 +417,7 @@ class FakeWorker:
         if self.mode == "plain":
             (self.plain_group,) = range(len(groups))
             names = [n for n in groups[0].layer_names if n.endswith(".attn")]
-            self.parts = LAYERS
+            self.parts = num_layers
             for n in names:
                 layer = _layer(n)
                 self.layer_of[layer] = (0, layer)
@@ -340,8 +443,9 @@ class FakeWorker:
             self.host = torch.zeros(len(self.layers), host_blocks * BLOCK, ROW, dtype=torch.uint8)
             self.host_index = {layer: i for i, layer in enumerate(self.layers)}
             self.residency = torch.zeros(len(self.resident_groups), self.max_rows, self.max_pages, dtype=torch.int32)
-            self.hot_pos = torch.full((self.max_rows, LAYERS, self.hot_rows), -1, dtype=torch.int32)
-            self.hot_lru = torch.arange(self.hot_rows, dtype=torch.int32).repeat(self.max_rows, LAYERS, 1).contiguous()
+            self.hot_pos = torch.full((self.max_rows, num_layers, self.hot_rows), -1, dtype=torch.int32)
+            self.hot_lru = torch.arange(self.hot_rows, dtype=torch.int32).repeat(self.max_rows, num_layers, 1)
+            self.hot_lru = self.hot_lru.contiguous()
             # The reference resolver counts heat as SPEC.md says; what the scheduler gets is counted apart, by
             # the plugin's worker code (SelectionHeat, as on a GPU), so this table is never read.
             self.resolver_heat = torch.zeros(self.max_rows, self.max_pages, dtype=torch.int32)
@@ -362,6 +466,12 @@ class FakeWorker:
         # completion_lag > 0: transfers are reported complete that many steps after they were enqueued, as
         # the DMA of a GPU worker lags its forward (the copies themselves are done at once here).
         self._completing: deque[list[int]] = deque([] for _ in range(completion_lag))
+        # vLLM's OffloadingConnector, worker role, when the setup has one (alone or as a MultiConnector child):
+        # its real OffloadingConnectorWorker with the copy engine replaced by TierCopyWorker (module docstring).
+        self.offload = None
+        self.tier = None
+        if setup.offload:
+            self.offload, self.tier = _offload_worker(setup, self, seed=offload_seed, max_lag=offload_lag)
 
     # ------------------------------------------------------------------ request state
 
@@ -464,12 +574,23 @@ class FakeWorker:
             self._zero_block(ids)
         for copy in so.kv_cache_block_copies or ():
             self._copy_block(copy.src_block_id, copy.dst_block_id)
-        meta = so.kv_connector_metadata
+        meta, off_meta = _split_metadata(self, so.kv_connector_metadata)
         if self.record:
-            self.stats.trace.append(_digest(so))
+            self.stats.trace.append(_digest(so, meta))
         self._fresh = {new.req_id for new in so.scheduled_new_reqs if new.num_computed_tokens}
+        if self.offload is not None and off_meta is not None:
+            # ActiveKVConnector.pre_forward: every child's handle_preemptions, then bind (MultiConnector order).
+            # A flush: stores still in flight from blocks the scheduler has just handed out again.
+            self.stats.tier_flushes += len(off_meta.jobs_to_flush or ())
+            self.offload.handle_preemptions(off_meta)
+            self.offload.bind_connector_metadata(off_meta)
         if self.mode != "plain" and meta is not None:
             self._start_step(meta, list(so.num_scheduled_tokens))
+        if self.offload is not None and off_meta is not None:
+            # HiSparse sets has_sync_kv_loads: start_load_kv runs before the forward, HiSparse's then this one's
+            # (vLLM's order without HiSparse is after the forward; a load's rows land before its request runs
+            # either way: sync loads are waited for, async ones only finish before the request is scheduled).
+            self.offload.start_load_kv(None)
         sampled = self._forward(so, meta)
         self.stats.scheduled_samples.append(len(so.num_scheduled_tokens))
         out = ModelRunnerOutput(req_ids=list(sampled), req_id_to_index={r: i for i, r in enumerate(sampled)},
@@ -480,7 +601,36 @@ class FakeWorker:
                 worker_meta = self._late if worker_meta is None else worker_meta.aggregate(self._late)
                 self._late = None
             out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+        if self.offload is not None:
+            out.kv_connector_output = self._offload_post_forward(so, out.kv_connector_output)
         return pickle.loads(pickle.dumps(out))
+
+    def _offload_post_forward(self, so, hisparse_output):
+        """``ActiveKVConnector.post_forward`` for the offloading child: ``wait_for_save`` (stores deferred to
+        the next step), ``get_finished`` (loads done: ``finished_recving``), its worker metadata, and vLLM's
+        ``MultiConnector.build_connector_worker_meta`` around both children's."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        off = self.offload
+        if off.has_connector_metadata():
+            off.wait_for_save()
+        _, recving = off.get_finished(set(so.finished_req_ids)) if off.has_connector_metadata() else \
+            off.connector_worker.get_finished(set(so.finished_req_ids))
+        off_worker_meta = off.build_connector_worker_meta()
+        off.clear_connector_metadata()
+        output = hisparse_output or KVConnectorOutput()
+        output.finished_recving = set(recving) or None
+        if self.mode == "plain":
+            output.kv_connector_worker_meta = off_worker_meta
+        else:
+            parts = (output.kv_connector_worker_meta, off_worker_meta)
+            if self.setup.vllm_config.kv_transfer_config.kv_connector_extra_config["connectors"][0][
+                    "kv_connector"] == "OffloadingConnector":
+                parts = parts[::-1]
+            output.kv_connector_worker_meta = None if parts == (None, None) else \
+                MultiKVConnectorWorkerMetadata(metadata=parts)
+        return output
 
     def _start_step(self, meta, batch: list[str]) -> None:
         """``HiSparseConnectorWorker.start_step`` (worker.py:408), in its order, then what our connector's
@@ -566,6 +716,12 @@ class FakeWorker:
             req = self.reqs[rid]
             start = req.num_computed
             drafts = list(so.scheduled_spec_decode_tokens.get(rid, ()))
+            if drafts and drafts[0] == -1:
+                # Async scheduling: the scheduler sends placeholders and counted last step's drafts as
+                # computed before knowing how many were accepted; vLLM's worker keeps the drafts its MTP
+                # proposed and its own count of the tokens it holds (Model Runner V2), and so does this one.
+                drafts = self.drafts(rid, len(drafts))
+                start = min(start, len(req.tokens) - 1)
             real_end = start + n - len(drafts)
             if real_end > len(req.tokens):
                 raise CheckFailed(f"{rid}: scheduled up to position {real_end} but only {len(req.tokens)} tokens exist")
@@ -586,6 +742,8 @@ class FakeWorker:
                     break
                 accepted.append(d)
             new = accepted + [next_token(hashes[real_end - 1 + len(accepted)])]
+            self.stats.drafts_accepted += len(accepted)
+            self.stats.drafts_rejected += len(drafts) - len(accepted)
             for t in new:
                 req.tokens.append(t)
                 req.hashes = np.append(req.hashes, prefix_hashes(np.asarray([t]), req.hashes[-1]))
@@ -659,6 +817,7 @@ class FakeWorker:
         all positions when the sequence is shorter than top-K."""
         if seq_len <= TOP_K:
             return np.arange(seq_len, dtype=np.int32)
+        layer = self.leader_of[layer]  # a layer without an indexer reads its leader's selection
         rng = np.random.default_rng((req.seed, layer, seq_len))
         local = np.arange(max(0, seq_len - 512), seq_len)
         sink = np.arange(min(64, seq_len))
@@ -726,7 +885,8 @@ class FakeWorker:
                           counters=self.counters, gpu_layers=[self.slab[part]],
                           host_layers=[self.host[self.host_index[layer]]],
                           group=layer, block_size=BLOCK, out=out)
-        if self.selection_heat is not None and self.selection_heat.counted(layer):  # every layer leads a group
+        group = self.index_group_of.get(layer)  # counted once per index group, at its leader, as vLLM does
+        if self.selection_heat is not None and group is not None and self.selection_heat.counted(group):
             # What _CountingRuntime does after vLLM's resolve: each query row is its own batch row here.
             self.selection_heat.count(torch.from_numpy(topk), torch.arange(n, dtype=torch.int32), row_state)
         self.stats.rows_from_host += int(self.counters[1]) - before
@@ -762,10 +922,9 @@ class FakeWorker:
             self.stats.indexer_rows_checked += seq_len
 
 
-def _digest(so) -> tuple:
-    """What the scheduler decided in a step and every field of the connector metadata it sent, for
-    step-by-step comparisons."""
-    meta = so.kv_connector_metadata
+def _digest(so, meta) -> tuple:
+    """What the scheduler decided in a step and every field of the (HiSparse) connector metadata it sent,
+    for step-by-step comparisons."""
     cached = so.scheduled_cached_reqs
     return (
         tuple(sorted(so.num_scheduled_tokens.items())),
@@ -781,6 +940,145 @@ def _digest(so) -> tuple:
             tuple(sorted((r, tuple(u.pages), u.block_ids) for r, u in meta.residency_updates.items())),
         ),
     )
+
+
+def _split_metadata(worker, meta) -> tuple:
+    """(HiSparse's metadata, the offloading connector's) out of what the scheduler sent: vLLM's
+    ``MultiKVConnectorMetadata`` holds its children's in configuration order (HiSparse first)."""
+    if meta is None:
+        return None, None
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorMetadata
+
+    if isinstance(meta, MultiKVConnectorMetadata):
+        hisparse, offload = meta.metadata
+        if not hasattr(hisparse, "row_mirrors"):  # the offloading child configured first
+            hisparse, offload = offload, hisparse
+        return hisparse, offload
+    return (None, meta) if worker.offload is not None else (meta, None)
+
+
+class TierCopyWorker:
+    """CPU stand-in for vLLM's ``CPUOffloadingWorker`` (``v1/kv_offload/cpu/gpu_worker.py``), the offloading
+    connector's copy engine, which needs CUDA (device tensors, a stream and events per transfer, the
+    ``swap_blocks`` kernels). vLLM's ``OffloadingConnectorWorker`` drives it unchanged, through the same
+    ``OffloadingWorker`` calls: ``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait``.
+
+    The tier holds, per CPU chunk, the rows of the offloaded groups' blocks (the indexer keys beside HiSparse,
+    every layer without it) as the harness writes them. A copy is made when its job *completes*, not when it
+    is submitted, as a DMA reads the GPU block when it runs: a block vLLM reuses before a store has passed
+    (without flushing it) is caught as wrong rows when they are loaded back. Jobs complete late and out of
+    order: each ``get_finished`` completes a random half of those pending, any older than ``max_lag`` calls,
+    in a shuffled order; ``wait`` (vLLM's sync loads and flushes) completes the named jobs at once."""
+
+    def __init__(self, worker: FakeWorker, parts: list[int], blocks_per_chunk: int, seed: int, max_lag: int):
+        self.worker = worker
+        self.parts = parts
+        self.bpc = blocks_per_chunk
+        self.rng = np.random.default_rng(seed)
+        self.max_lag = max_lag
+        self.chunks: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, list] = {}  # job id -> [store?, gpu spec, cpu chunk ids, age]
+        self._latest = -1
+        self.waited: list[int] = []  # completed by wait(), reported by the next get_finished()
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        self.pending[job_id] = [True, src_spec, np.asarray(dst_spec.block_ids), 0]
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        self.pending[job_id] = [False, dst_spec, np.asarray(src_spec.block_ids), 0]
+        if expedited:
+            self.worker.stats.tier_sync_loads += 1
+        else:
+            self.worker.stats.tier_async_loads += 1
+        return True
+
+    def get_finished(self):
+        from vllm.v1.kv_offload.base import TransferResult
+
+        done = []
+        for job_id, entry in list(self.pending.items()):
+            entry[3] += 1
+            if entry[3] > self.max_lag or self.rng.random() < 0.5:
+                done.append(job_id)
+        order = self.rng.permutation(len(done)) if done else []
+        done = [done[i] for i in order]
+        for job_id in done:
+            self._complete(job_id)
+        done, self.waited = self.waited + done, []
+        return [TransferResult(job_id=j, success=True) for j in done]
+
+    def wait(self, job_ids) -> None:
+        """Completes the jobs now; they are still reported by the next ``get_finished``, as vLLM's handlers
+        report a transfer whose event was synchronized."""
+        for job_id in sorted(job_ids):
+            if job_id in self.pending:
+                self._complete(job_id)
+                self.waited.append(job_id)
+
+    def _complete(self, job_id: int) -> None:
+        store, gpu_spec, chunk_ids, _ = self.pending.pop(job_id)
+        # Out of order: a job completing after a later-submitted one did (vLLM's job ids grow).
+        self.worker.stats.tier_jobs_reordered += int(job_id < self._latest)
+        self._latest = max(self._latest, job_id)
+        for block, chunk, slot in self._pairs(gpu_spec, chunk_ids):
+            if store:
+                self.worker.stats.tier_blocks_stored += 1
+            else:
+                self.worker.stats.tier_blocks_loaded += 1
+            if not self.worker.data:
+                continue
+            rows = slice(block * BLOCK, (block + 1) * BLOCK)
+            tier_rows = slice(slot * BLOCK, (slot + 1) * BLOCK)
+            if store:
+                held = self.chunks.setdefault(chunk, torch.zeros(len(self.parts), self.bpc * BLOCK, ROW,
+                                                                 dtype=torch.uint8))
+                held[:, tier_rows] = self.worker.slab[self.parts, rows]
+            else:
+                if chunk not in self.chunks:
+                    raise CheckFailed(f"the offloading tier was asked to load chunk {chunk}, never stored")
+                self.worker.slab[self.parts, rows] = self.chunks[chunk][:, tier_rows]
+
+    def _pairs(self, gpu_spec, chunk_ids):
+        """(GPU block, CPU chunk, block slot in the chunk), as ``SingleDirectionOffloadingHandler`` pairs them:
+        per group, ``block_indices`` gives the first block's index in the request, so a group may start or
+        end mid-chunk."""
+        g = c = 0
+        block_ids = np.asarray(gpu_spec.block_ids)
+        for size, index in zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
+            if not size:
+                continue
+            skip = index % self.bpc
+            n_chunks = -(-(size + skip) // self.bpc)
+            chunks = chunk_ids[c:c + n_chunks]
+            for i in range(size):
+                yield int(block_ids[g + i]), int(chunks[(skip + i) // self.bpc]), (skip + i) % self.bpc
+            g += size
+            c += n_chunks
+
+    def shutdown(self) -> None:
+        self.pending.clear()
+        self.waited.clear()
+
+
+
+def _offload_worker(setup: Setup, worker: FakeWorker, *, seed: int, max_lag: int):
+    """vLLM's ``OffloadingConnector`` in the worker role (the MultiConnector child's config, as vLLM builds
+    it), its ``OffloadingConnectorWorker`` given a :class:`TierCopyWorker` in place of the CUDA copy engine
+    that ``register_kv_caches`` would build from the GPU tensors."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    vc = setup.vllm_config
+    child = vc
+    if vc.kv_transfer_config.kv_connector == "MultiConnector":
+        (child,) = [c for cls, c in MultiConnector._get_connector_classes_and_configs(vc) if cls is OffloadingConnector]
+    connector = OffloadingConnector(child, KVConnectorRole.WORKER, setup.kv_cache_config)
+    parts = list(range(worker.parts + 1)) if worker.mode == "plain" else [worker.parts]
+    tier = TierCopyWorker(worker, parts, connector.connector_worker.spec.blocks_per_chunk, seed, max_lag)
+    connector.connector_worker.worker = tier
+    return connector, tier
 
 
 def _layer(name: str) -> int:
@@ -809,27 +1107,78 @@ def prompt(seed: int, length: int, shared: list[int] | None = None) -> list[int]
     return head + [int(t) for t in rng.integers(2, VOCAB, size=length - len(head))]
 
 
+def greedy(tokens: list[int], n: int) -> list[int]:
+    """The ``n`` tokens the fake model generates after ``tokens`` (greedy, a function of the prefix; MTP
+    drafts change only how many come per step): what a conversation's next turn carries forward."""
+    h = prefix_hashes(np.asarray(tokens))[-1]
+    out = []
+    for _ in range(n):
+        t = next_token(h)
+        out.append(t)
+        h = prefix_hashes(np.asarray([t]), h)[0]
+    return out
+
+
+def conversation(name: str, seed: int, *, first: int, later: int, output: int, turns: int,
+                 arrival: int = 0) -> tuple[Job, dict[str, Job]]:
+    """A multi-turn agent conversation (OpenHands-style): a ``first``-token first turn, then turns whose
+    prompt is the previous turn's prompt, its answer (``output`` tokens, :func:`greedy`) and ``later`` new
+    tokens, so each turn's prompt starts with everything before it. Returns the first turn and the
+    follow-ups for :func:`run`'s ``then``."""
+    head = Job(f"{name}-t0", prompt(seed, first), output, arrival=arrival)
+    follow, last = {}, head
+    for t in range(1, turns):
+        tokens = last.prompt + greedy(last.prompt, output) + prompt(seed * 1000 + t, later)
+        job = Job(f"{name}-t{t}", tokens, output)
+        follow[last.req_id] = job
+        last = job
+    return head, follow
+
+
 def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 10_000,
-        num_spec_tokens: int = 0, on_step=None) -> Stats:
+        num_spec_tokens: int = 0, on_step=None, then: dict[str, Job] | None = None,
+        aborts: dict[str, int] | None = None) -> Stats:
     """vLLM's engine-core loop: ``EngineCore.step`` when scheduling is synchronous, and
     ``step_with_batch_queue`` with two batches in flight when it is asynchronous (the next ``schedule()``
-    runs before the last step's ``update_from_output``). Every ``schedule()`` is checked not to raise."""
+    runs before the last step's ``update_from_output``). Every ``schedule()`` and ``update_from_output()``
+    is checked not to raise. ``then``: a request's follow-up (a conversation's next turn), sent at the step
+    after the request has finished (its ``arrival`` ignored); ``aborts``: requests aborted once they have
+    generated that many tokens (the API server's ``finish_requests(..., FINISHED_ABORTED)``: a client gone
+    mid-turn, possibly with the step that computes it still in flight); an aborted request's follow-up is
+    never sent."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     sched = setup.scheduler
     pending = sorted(jobs, key=lambda j: j.arrival)
+    then = dict(then or {})
+    aborts = dict(aborts or {})
+    live: set[str] = set()
     depth = 2 if setup.vllm_config.scheduler_config.async_scheduling else 1
     queue: deque = deque()
     step = 0
-    while pending or sched.has_requests() or queue:
+    while pending or sched.has_requests() or queue or live:
         if step >= max_steps:
             raise CheckFailed(f"not done after {max_steps} steps")
+        arriving = []
+        for rid in sorted(live - set(sched.requests)):  # finished since the last step: send the next turn
+            live.discard(rid)
+            if rid in then:
+                arriving.append(then.pop(rid))
+        for rid, after in list(aborts.items()):
+            request = sched.requests.get(rid)
+            if request is not None and request.num_output_tokens >= after:
+                del aborts[rid]
+                if sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
+                    worker.stats.aborted += 1
+                    then.pop(rid, None)
         while pending and pending[0].arrival <= step:
-            job = pending.pop(0)
+            arriving.append(pending.pop(0))
+        for job in arriving:
             params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True, temperature=0.0)
             sched.add_request(Request(job.req_id, job.prompt, params, None, block_hasher=setup.block_hasher))
+            live.add(job.req_id)
         scheduled = False
         if sched.has_requests() and len(queue) < depth:
             so = schedule(sched)
@@ -844,7 +1193,10 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
             worker.stats.preemptions += len(so.preempted_req_ids or ())
         if queue and (len(queue) == depth or not scheduled):
             so, out = queue.popleft()
-            sched.update_from_output(so, out)
+            try:
+                sched.update_from_output(so, out)
+            except Exception as e:  # noqa: BLE001 - as for schedule(): it would kill vLLM's engine core
+                raise CheckFailed(f"an exception escaped update_from_output(): {type(e).__name__}: {e}") from e
             if num_spec_tokens and depth == 1:
                 ids = [r.request_id for r in sched.running]
                 sched.update_draft_token_ids(DraftTokenIds(ids, [worker.drafts(r, num_spec_tokens) for r in ids]))

@@ -16,6 +16,7 @@ resolve and then counts the same top-K, so the count is captured with it. The su
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +187,9 @@ class HiSparseConnector(VllmHiSparseConnector):
         self.policy = policy_option(vllm_config)
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.selection_heat: SelectionHeat | None = None
+        # Per scheduled step, oldest first: requests that started with a host import pending (a synchronous
+        # load by another connector; ``update_connector_output``).
+        self._sync_imports: deque[tuple[str, ...]] = deque()
         super().__init__(vllm_config, role, kv_cache_config)
 
     # ------------------------------------------------------------------ scheduler role
@@ -251,12 +255,27 @@ class HiSparseConnector(VllmHiSparseConnector):
             first = max(0, start - requests[rid].num_output_placeholders) if scheduler.async_speculative else start
             windows.append((rid, first, count + start - first + lookahead))
         row_mirrors = coordinator.row_mirrors(windows)
+        started = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        started += [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
+        self._sync_imports.append(tuple(rid for rid in started if rid in coordinator._pending_imports))
         return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
                                          coordinator.all_context_pages_resident(scheduled),
                                          coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's, which finishes the host imports of the loads reported in ``finished_recving``, then the
+        imports of requests that started in this output's step with their load still pending: loads that
+        complete before the forward (vLLM's ``OffloadingConnector`` within ``sync_load_budget_bytes``), which
+        never report ``finished_recving``. Beside HiSparse that connector loads only the indexer keys, of a
+        prefix whose host pages HiSparse holds already (``_max_loadable_tokens`` bounds it there), but vLLM
+        records every external load as an import into those pages, and left unfinished it keeps them invalid:
+        the request never publishes its own pages past the loaded prefix, so the next turn of a conversation
+        misses them (``tests/test_vllm_agent.py``). Finished once the step has run, after any synchronous
+        load into the host pages, as vLLM's own import path would have it."""
         super().update_connector_output(connector_output)
+        if self._sync_imports:
+            for request_id in self._sync_imports.popleft():
+                self.coordinator.finish_host_import(request_id, failed=False)  # a no-op once finished or freed
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HisparseWorkerMetadata) and meta.heat is not None:
             self.coordinator.report_heat(meta.heat)

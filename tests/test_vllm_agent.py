@@ -1,0 +1,239 @@
+"""hisparse beside vLLM's OffloadingConnector, GLM-5.3's layout under MTP 3 and async scheduling, and multi-turn
+agent traces, on vLLM 0.33.0's own scheduler stack (CPU).
+
+Every run goes through ``tests/vllm_harness.py``: vLLM's config, planner, ``Scheduler`` / ``AsyncScheduler``,
+KV cache manager, ``MultiConnector`` and ``OffloadingConnector`` (scheduler side, and its worker side but for
+the CUDA copy engine, which ``TierCopyWorker`` stands in for: copies made when a job completes, jobs completed
+late and out of order). The fake forward writes a tag per (token, layer) and reads every selected top-K row
+and every indexer key back; a row that differs from what was written, or an exception out of ``schedule()`` /
+``update_from_output()``, fails the run. The published deployment (FACTS.md, "The published result") is the
+shape: a HiSparse host pool and an OffloadingConnector (``TieringOffloadingSpec``) CPU tier in a
+``MultiConnector``, HiSparse's child first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+H = pytest.importorskip("vllm_harness")
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+# One layer of each of vLLM's six DeepSeek-V3.2 resident groups.
+GROUP_LAYERS = [0, 12, 24, 36, 48, 60]
+
+
+def _children(setup):
+    connector = setup.scheduler.connector
+    return {type(c).__module__.split(".")[0] + "." + type(c).__name__: c for c in connector.sub_connectors}
+
+
+def _waves():
+    """Prefix traffic: a shared 4,096-token prefix hit while its first users still run (GPU), then other
+    traffic recycles those blocks, and a last wave hits the prefix again when the MLA pages are on
+    HiSparse's host pool only and the indexer keys are in the offloading tier."""
+    shared = H.prompt(1000, 4096)
+    jobs = [H.Job(f"a{i}", H.prompt(i, 6000, shared), 24) for i in range(2)]
+    jobs += [H.Job(f"b{i}", H.prompt(10 + i, 6000, shared), 24, arrival=8) for i in range(2)]
+    jobs += [H.Job(f"c{i}", H.prompt(20 + i, 7000), 8, arrival=60) for i in range(3)]
+    jobs += [H.Job(f"d{i}", H.prompt(30 + i, 5000, shared), 24, arrival=140) for i in range(2)]
+    return jobs
+
+
+def _imports_left_open(coordinator) -> list[str]:
+    """Watches vLLM's host-import bookkeeping in the HiSparse coordinator: a load by another connector is
+    recorded as an import into the request's host pages (``record_pending_host_import``) and makes those
+    pages valid and publishable only once finished (``finish_host_import``). Returns the list, filled as the
+    run goes, of requests freed with their import never finished."""
+    opened, left = set(), []
+    record, finish, free = coordinator.record_pending_host_import, coordinator.finish_host_import, coordinator.free
+
+    def recorded(request_id, num_tokens):
+        opened.add(request_id)
+        record(request_id, num_tokens)
+
+    def finished(request_id, *, failed):
+        opened.discard(request_id)
+        finish(request_id, failed=failed)
+
+    def freed(request_id):
+        if request_id in opened:
+            left.append(request_id)
+            opened.discard(request_id)
+        free(request_id)
+
+    coordinator.record_pending_host_import = recorded
+    coordinator.finish_host_import = finished
+    coordinator.free = freed
+    return left
+
+
+def _assert_all_freed(setup, worker):
+    """Every finished request's blocks are back in vLLM's pool, and neither connector holds anything of it."""
+    pool = setup.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1
+    offloading = _children(setup)["vllm.OffloadingConnector"].connector_scheduler
+    assert not offloading._req_status and not offloading._jobs
+    assert not worker.tier.pending and not worker.tier.waited
+    assert not worker.reqs
+
+
+@pytest.mark.parametrize("async_scheduling,loads,offload_first",
+                         [(False, "async", False), (True, "sync", False), (True, "async", True)],
+                         ids=["sync-scheduling-async-loads", "async-scheduling-sync-loads", "offloading-child-first"])
+def test_hisparse_beside_vllms_offloading_connector(async_scheduling, loads, offload_first):
+    """vLLM's ``MultiConnector`` of hisparse's ``HiSparseConnector`` and vLLM's ``OffloadingConnector``
+    (``TieringOffloadingSpec``): hisparse's "wait" from ``get_num_new_matched_tokens`` holds inside the
+    MultiConnector (it answers before the offloading child books a load), the offloading tier serves the
+    indexer keys of a prefix whose MLA pages are on HiSparse's host pool only (loaded asynchronously, or
+    synchronously within vLLM's ``sync_load_budget_bytes``), stores and loads complete late and out of
+    order, and every row read is the one written. In either order of the two children: with the offloading
+    child first, it has looked the request up (and may have reserved a sync load) when hisparse says wait."""
+    extra = {"sync_load_budget_bytes": 1 << 30} if loads == "sync" else None
+    setup = H.build(mode="hisparse", gpu_gib=0.9, max_model_len=8192, host_pool_gib=20, offload_gib=0.25,
+                    offload_extra=extra, async_scheduling=async_scheduling, offload_first=offload_first)
+    from hisparse.integrations.vllm.coordinator import HisparseCoordinator
+
+    children = _children(setup)
+    assert type(setup.scheduler.connector).__name__ == "MultiConnector"
+    names = ["hisparse.HiSparseConnector", "vllm.OffloadingConnector"]
+    assert list(children) == (names[::-1] if offload_first else names)
+    hisparse = children["hisparse.HiSparseConnector"]
+    assert isinstance(hisparse.coordinator, HisparseCoordinator)
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
+    left_open = _imports_left_open(hisparse.coordinator)
+    stats = H.run(setup, worker, _waves())
+    assert hisparse.coordinator.counters["admissions_deferred"] > 0, "hisparse answered 'wait' in MultiConnector"
+    # A synchronous load never reports finished_recving; its host pages must still become valid, or the
+    # request publishes nothing of its own past the loaded prefix (a later turn would miss it).
+    assert left_open == []
+    assert stats.rows_from_host > 0 and stats.host_only_prefix_admissions > 0
+    assert stats.tier_blocks_stored > 0 and stats.tier_blocks_loaded > 0, "the tier served a prefix"
+    assert (stats.tier_sync_loads if loads == "sync" else stats.tier_async_loads) > 0
+    assert stats.tier_jobs_reordered > 0
+    assert stats.rows_checked >= 9 * 8 * len(GROUP_LAYERS) * H.TOP_K
+    _assert_all_freed(setup, worker)
+
+
+def test_a_tier_that_hands_back_other_bytes_is_caught(monkeypatch):
+    """The conformance check has teeth: a tier that loads a prefix from the wrong chunks fails the run."""
+    complete = H.TierCopyWorker._complete
+
+    def wrong_chunks(self, job_id):
+        store, _, chunks, _ = self.pending[job_id]
+        if not store:
+            others = [c for c in self.chunks if c not in set(chunks.tolist())]
+            self.pending[job_id][2] = np.roll(chunks, 1) if len(chunks) > 1 else np.asarray(others[:1])
+        complete(self, job_id)
+
+    monkeypatch.setattr(H.TierCopyWorker, "_complete", wrong_chunks)
+    setup = H.build(mode="hisparse", gpu_gib=0.9, max_model_len=8192, host_pool_gib=20, offload_gib=0.25)
+    with pytest.raises(H.CheckFailed, match="indexer key row differs"):
+        H.run(setup, H.FakeWorker(setup, layers=[0]), _waves())
+
+
+def test_vllms_own_hisparse_leaves_a_synchronous_loads_host_import_open():
+    """vLLM 0.33's own HiSparseConnector beside its OffloadingConnector, loads within
+    ``sync_load_budget_bytes``: the load is recorded as an import into the request's host pages
+    (``HiSparseTieredKVCacheManager.allocate_external_computed_blocks``), finished only by a
+    ``finished_recving`` that a synchronous load never sends, so the pages stay invalid until the request is
+    freed and it publishes nothing of its own past the loaded prefix. hisparse's connector finishes such an
+    import once the step has run (``HiSparseConnector.update_connector_output``); this documents vLLM's."""
+    setup = H.build(mode="native", gpu_gib=0.9, max_model_len=8192, host_pool_gib=20, offload_gib=0.25,
+                    offload_extra={"sync_load_budget_bytes": 1 << 30})
+    left_open = _imports_left_open(_children(setup)["vllm.HiSparseConnector"].connector_scheduler.coordinator)
+    stats = H.run(setup, H.FakeWorker(setup, layers=[0]), _waves())
+    assert stats.tier_sync_loads > 0
+    assert left_open == ["d0"]
+
+
+@pytest.mark.parametrize("mode,offload_gib", [("native", 0.25), ("plain", 1.25)],
+                         ids=["vllms-hisparse-beside-offloading", "offloading-alone"])
+def test_the_references_run_the_same_traffic(mode, offload_gib):
+    """The published comparison's other two engines on the same traffic: vLLM's own HiSparseConnector
+    beside the offloading connector, and the offloading connector alone (the baseline, which offloads every
+    layer's blocks, not only the indexer's, and so needs a larger tier to keep the prefix); both load the
+    prefix back from the tier, every layer's rows of it checked in the baseline."""
+    setup = H.build(mode=mode, gpu_gib=0.9, max_model_len=8192, host_pool_gib=20, offload_gib=offload_gib)
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
+    stats = H.run(setup, worker, _waves())
+    assert stats.tier_blocks_stored > 0 and stats.tier_blocks_loaded > 0 and stats.prefix_hit_tokens > 0
+    assert (stats.rows_from_host > 0) == (mode == "native")
+    pool = setup.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1
+
+
+def test_glm53_layout_mtp3_async_reads_from_the_host():
+    """GLM-5.3's layout as vLLM's own planner builds it (78 sparse-MLA layers, IndexShare: 21 indexer layers,
+    21 resident and 21 hot groups, a 160-block hot region per group with MTP 3), async scheduling, beside
+    the offloading connector; the pool is sized so that requests must read from the host, and drafts are
+    both accepted and rejected (the worker proposes them, as vLLM's does under async scheduling)."""
+    from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
+
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=2.2, max_model_len=16384, num_spec_tokens=3,
+                    host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
+                    offload_gib=0.25)
+    assert type(setup.scheduler).__name__ == "AsyncScheduler"
+    groups = setup.kv_cache_config.kv_cache_groups
+    resident = [g for g in groups if isinstance(g.kv_cache_spec, HiSparseResidentSpec)]
+    hot = [g for g in groups if isinstance(g.kv_cache_spec, HiSparseHotSpec)]
+    assert len(H.indexer_layers("glm5.3")) == 21 and len(resident) == 21 and len(hot) == 21
+    assert sum(len(g.layer_names) for g in resident) == 78
+    assert {g.kv_cache_spec.blocks_per_request for g in hot} == {160}
+    leaders = [H._layer(g.layer_names[0]) for g in resident]
+    worker = H.FakeWorker(setup, layers=leaders[::5] + [leaders[5] + 2])  # some leaders, and one follower
+    jobs = [H.Job(f"r{i}", H.prompt(i, 3000 + 37 * i), 24, arrival=2 * i) for i in range(6)]
+    stats = H.run(setup, worker, jobs, num_spec_tokens=3)
+    assert stats.rows_from_host > 0, "the pool was meant to push requests onto their hot regions"
+    assert stats.drafts_accepted > 0 and stats.drafts_rejected > 0
+    assert stats.tier_blocks_stored > 0
+    _assert_all_freed(setup, worker)
+
+
+def test_multi_turn_agent_conversations():
+    """Agent conversations (each turn's prompt is the last turn's prompt, its answer and a few hundred new
+    tokens), five at once in a pool that holds about three: later turns hit their own earlier turns' prefix
+    on the GPU and on HiSparse's host pool only with the indexer keys loaded back from the offloading tier;
+    two turns are aborted mid-answer (their conversations end there)."""
+    setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, host_pool_gib=20, offload_gib=0.25,
+                    max_num_seqs=8, max_num_batched_tokens=2048)
+    worker = H.FakeWorker(setup, layers=[0, 30, 60])
+    jobs, then = [], {}
+    for c in range(5):
+        head, follow = H.conversation(f"c{c}", 100 + c, first=2500, later=300, output=24, turns=3, arrival=3 * c)
+        jobs.append(head)
+        then.update(follow)
+    stats = H.run(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10})
+    assert stats.aborted == 2
+    assert stats.prefix_hit_tokens >= 5 * 2500, "later turns read their earlier turns' prefix"
+    assert stats.host_only_prefix_admissions > 0 and stats.tier_blocks_loaded > 0
+    assert stats.rows_from_host > 0
+    _assert_all_freed(setup, worker)
+
+
+def test_multi_turn_agents_in_the_published_shape_with_preemptions():
+    """The published deployment's shape, scaled down: GLM-5.3's layout, MTP 3, async scheduling, hisparse
+    beside the offloading connector, six agent conversations in a pool that holds about three, under
+    ``policy: fifo`` (vLLM's own decisions, which preempt), HiSparse's transfers completing two steps late:
+    requests are preempted with copies of both connectors in flight (blocks with offloading stores in flight
+    are handed out again, which vLLM's scheduler flushes first), later turns hit their earlier turns'
+    prefix on the GPU, on HiSparse's host pool only and (their indexer keys) in the offloading tier, drafts
+    are accepted and rejected, two turns are aborted mid-answer, and every row read is the one written."""
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.8, max_model_len=16384, num_spec_tokens=3,
+                    host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
+                    offload_gib=0.25, extra={"policy": "fifo"})
+    worker = H.FakeWorker(setup, layers=[0, 21, 41, 77], completion_lag=2)
+    jobs, then = [], {}
+    for c in range(6):
+        head, follow = H.conversation(f"c{c}", 100 + c, first=2500, later=300, output=24, turns=3, arrival=2 * c)
+        jobs.append(head)
+        then.update(follow)
+    stats = H.run(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10}, num_spec_tokens=3)
+    assert stats.aborted == 2 and stats.preemptions > 0
+    assert stats.tier_flushes > 0, "blocks were handed out again with their stores in flight (vLLM flushes them)"
+    assert stats.prefix_hit_tokens >= 6 * 2500
+    assert stats.host_only_prefix_admissions > 0 and stats.tier_blocks_loaded > 0
+    assert stats.rows_from_host > 0 and stats.drafts_accepted > 0 and stats.drafts_rejected > 0
+    _assert_all_freed(setup, worker)
