@@ -105,11 +105,17 @@ impl Config {
     }
 
     /// The blocks a running request keeps at least: its tail, and with `hot` its hot region.
-    pub fn footprint(&self, hot: bool) -> u32 {
+    fn footprint(&self, hot: bool) -> u32 {
         let hot_rows = if hot { self.hot_rows } else { 0 };
         // A zero block size is refused by validate(); until then, count it as no footprint.
         steady_state_blocks(0, self.block_size, hot_rows, self.tail_pages, 1)
             .map_or(0, |b| b.min(u32::MAX as u64) as u32)
+    }
+
+    /// The blocks a running request of `max_len` tokens keeps in reserve: its tail, and a hot region if it
+    /// can ever take one ([`Self::tiered`]). Admission reserves it, leaving gives it back, the audit sums it.
+    pub fn request_footprint(&self, max_len: u32) -> u32 {
+        self.footprint(self.tiered(max_len))
     }
 
     /// Whether a request of `max_len` tokens can ever read through a hot region: only where releasing every

@@ -101,8 +101,9 @@ impl ResidencyManager {
     /// Gives a request (admitted or preempted, all pages host-only) a row, adopts GPU copies still
     /// readable, restores its tail and leases its hot region. All or nothing.
     pub(super) fn start_running(&mut self, id: u64) -> Result<Admission> {
-        let tiered = self.cfg.tiered(self.req(id)?.max_len);
-        let footprint = self.cfg.footprint(tiered) as u64;
+        let max_len = self.req(id)?.max_len;
+        let tiered = self.cfg.tiered(max_len);
+        let footprint = self.cfg.request_footprint(max_len) as u64;
         let usable = self.cfg.num_gpu_blocks as u64 - 1;
         if self.gpu_reserved + footprint > usable {
             return Err(CoreError::Capacity {

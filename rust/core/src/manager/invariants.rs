@@ -24,7 +24,7 @@ impl ResidencyManager {
             let n = r.pages.len();
             match r.status {
                 Status::Running { row } => {
-                    gpu_reserved += cfg.footprint(cfg.tiered(r.max_len)) as u64;
+                    gpu_reserved += cfg.request_footprint(r.max_len) as u64;
                     if row >= cfg.max_running || !rows.insert(row) || self.free_rows.contains(&row) {
                         return invariant(format!("request {id}: row {row} is not its own"));
                     }

@@ -86,7 +86,7 @@ impl ResidencyManager {
         r.cold = ColdPages::default();
         r.status = Status::Preempted;
         self.free_rows.push(row);
-        self.gpu_reserved -= self.cfg.footprint(self.cfg.tiered(self.req(id)?.max_len)) as u64;
+        self.gpu_reserved -= self.cfg.request_footprint(self.req(id)?.max_len) as u64;
         self.pending.cleared_rows.push(row);
         self.last_scheduled.retain(|&rid| rid != id);
         Ok(())
