@@ -46,8 +46,6 @@ impl ResidencyManager {
                 .collect();
         }
         let materialize = self.plan_materialize()?;
-        let plan = StepPlan { materialize, ..self.drain_pending() };
-        self.last_plan.scheduled = scheduled.clone();
-        Ok(StepPlan { scheduled, ..plan })
+        Ok(self.drain_pending(materialize, scheduled))
     }
 }

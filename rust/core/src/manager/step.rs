@@ -41,8 +41,7 @@ impl ResidencyManager {
         self.last_scheduled = prefer;
         self.relieve()?;
         let materialize = self.plan_materialize()?;
-        self.last_plan.scheduled = rows.clone();
-        Ok(StepPlan { materialize, scheduled: rows, ..self.drain_pending() })
+        Ok(self.drain_pending(materialize, rows))
     }
 
     /// Tokens of the previous plan are written now: queue the pages they completed for a host copy.
@@ -216,7 +215,13 @@ impl ResidencyManager {
         Ok(out)
     }
 
-    pub(super) fn drain_pending(&mut self) -> StepPlan {
+    /// The plan: what is pending, the copies to the host and the scheduled requests; remembered as the last
+    /// plan (its restores and scheduled tokens, for `resync` to ask again).
+    pub(super) fn drain_pending(
+        &mut self,
+        materialize: Vec<PageCopy>,
+        scheduled: Vec<Scheduled>,
+    ) -> StepPlan {
         let p = std::mem::take(&mut self.pending);
         // A row can be cleared twice between plans (one request leaves it, the next is admitted into it and
         // leaves too): clearing once says the same.
@@ -228,6 +233,8 @@ impl ResidencyManager {
             transitions: p.transitions,
             released_pages: p.released,
             lost_pages: p.lost,
+            materialize,
+            scheduled,
             ..StepPlan::default()
         };
         let running = |id: &u64| self.requests.get(id).and_then(|r| Some((r, r.row()?)));
@@ -260,7 +267,7 @@ impl ResidencyManager {
                 releasable: r.releasable.contains(&page),
             });
         }
-        self.last_plan.restores = restores;
+        self.last_plan = resync::LastPlan { scheduled: plan.scheduled.clone(), restores };
         let mut seq_lens = p.seq_lens;
         seq_lens.sort_unstable();
         seq_lens.dedup();
