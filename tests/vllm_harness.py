@@ -1157,6 +1157,7 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
     live: set[str] = set()
     depth = 2 if setup.vllm_config.scheduler_config.async_scheduling else 1
     queue: deque = deque()
+    coordinators = hisparse_coordinators(sched)
     step = 0
     while pending or sched.has_requests() or queue or live:
         if step >= max_steps:
@@ -1200,10 +1201,22 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
             if num_spec_tokens and depth == 1:
                 ids = [r.request_id for r in sched.running]
                 sched.update_draft_token_ids(DraftTokenIds(ids, [worker.drafts(r, num_spec_tokens) for r in ids]))
+        for coordinator in coordinators:
+            coordinator.check_rows()  # the core's record of vLLM's rows is vLLM's, after every step
+            if coordinator.counters["rows_reread"]:
+                raise CheckFailed("a row changed where the core's record of it was not told (re-read from vLLM)")
         if on_step is not None:
             on_step(step)
         step += 1
     return worker.stats
+
+
+def hisparse_coordinators(sched) -> list:
+    """hisparse's coordinator behind the scheduler's connector (alone or a ``MultiConnector`` child), if any."""
+    connectors = getattr(sched.connector, "sub_connectors", None) or [sched.connector]
+    found = [getattr(c.connector_scheduler, "coordinator", None) for c in connectors
+             if getattr(c, "connector_scheduler", None) is not None]
+    return [c for c in found if hasattr(c, "check_rows")]
 
 
 def schedule(sched):

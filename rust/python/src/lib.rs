@@ -5,6 +5,7 @@
 //! `hisparse.errors` (defined in Python so they can also derive from `ValueError` / `KeyError`).
 
 mod args;
+mod block_rows;
 mod errors;
 mod manager;
 mod plan;
@@ -60,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::StepPlan>()?;
     m.add_class::<manager::Admission>()?;
     m.add_class::<pool_policy::PoolPolicy>()?;
+    m.add_class::<block_rows::BlockRows>()?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

@@ -1,0 +1,363 @@
+"""vLLM 0.33's ``HiSparseCoordinator`` with its per-step scans run over the core's record of vLLM's block rows.
+
+Every decision here is vLLM's: this is ``policy: fifo``, and the base of ``coldest``'s coordinator
+(``coordinator.py``), which changes decisions only. What changes is the cost of vLLM's bookkeeping. vLLM's
+connector rescans every scheduled request's rows in Python every step (``build_row_mirrors``,
+``all_context_pages_resident``) and walks every request's publication state after every step
+(``publish_when_ready``); here:
+
+- the rows live in the Rust core too (``BlockRows``, ``rust/core/src/block_rows.rs``): vLLM's managers
+  remain the one allocator of block ids, and the core records each row as they change it (``_RowRecorder``:
+  new blocks after each allocation, a whole row after an admission or an import, one page when it is
+  adopted, dropped or copied on write, nothing once freed), so the scans run in Rust over integers, for
+  the whole batch in one call;
+- the scans that read vLLM's per-request state skip requests whose step changes nothing
+  (``with_residency_work``, ``publish_when_ready``).
+
+``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
+and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
+recorded row with vLLM's.
+
+Not policy either, and here for both policies: ``forget_worker_state`` lets
+``Scheduler.reset_prefix_cache(reset_running_requests=True, ...)`` succeed with transfers in flight, vLLM's
+recovery when a worker died and was replaced (vLLM's own coordinator keeps their pins until a dead worker
+reports them, so the reset raises).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVRowMirror
+
+from ..._core import BlockRows
+from ...errors import InvalidArgumentError, InvariantError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+
+def block_ids(blocks) -> list[int | None]:
+    """vLLM blocks as the core records them: a null block (a page read from the host) is ``None``."""
+    return [None if block.is_null else block.block_id for block in blocks]
+
+
+class _RowRecorder:
+    """Keeps ``BlockRows`` equal to vLLM's rows by wrapping, on vLLM's manager objects, the methods that change
+    a row in place (rare: admissions, imports, adoptions, losses, copy-on-write, frees). Rows grow every
+    ``block_size`` tokens through the KV cache coordinator's ``allocate_new_blocks``, wrapped once for all
+    groups (``Bookkeeping.bind``). A record that cannot be applied (it would mean a change made elsewhere)
+    re-reads the row from vLLM, counted in ``rows_reread``."""
+
+    def __init__(self, book: Bookkeeping) -> None:
+        self.book = book
+        self.rows = book.rows
+        self.groups: list[tuple[Any, int | None]] = [(m, g) for g, m in enumerate(book.resident_managers)]
+        self.groups.append((book.host_manager, None))
+        for manager, group in self.groups:
+            self._wrap(manager, group)
+
+    def reread(self, request_id: str, manager: Any, group: int | None) -> None:
+        row = manager.get_residency_row(request_id) if group is not None else \
+            manager.req_to_blocks.get(request_id, ())
+        self.rows.set(request_id, group, block_ids(row))
+
+    def _wrap(self, manager: Any, group: int | None) -> None:
+        reread = self.reread
+
+        def after(name: str, record) -> None:
+            method = getattr(manager, name)
+
+            def recorded(request_id: str, *args, **kwargs):
+                result = method(request_id, *args, **kwargs)
+                try:
+                    record(request_id, result, *args)
+                except InvalidArgumentError:
+                    self.book.counters["rows_reread"] += 1
+                    reread(request_id, manager, group)
+                return result
+
+            setattr(manager, name, recorded)
+
+        whole_row = lambda request_id, _result, *_: reread(request_id, manager, group)  # noqa: E731
+        after("add_local_computed_blocks", whole_row)
+        after("allocate_external_computed_blocks", whole_row)
+        after("pop_blocks_for_free", lambda request_id, *_: self.rows.clear(request_id, group))
+        if group is None:
+            after("_apply_cow", lambda request_id, _r, page, _source, cow: self.rows.set_page(
+                request_id, None, page, cow.block_id))
+        else:
+            after("adopt_resident_page", lambda request_id, adopted, page, block: adopted and self.rows.set_page(
+                request_id, group, page, block.block_id))
+            after("drop_resident_page", lambda request_id, dropped, page: dropped is not None and self.rows.set_page(
+                request_id, group, page, None))
+
+    def allocated(self, request_id: str, new_blocks: tuple[list, ...], group_ids: list[tuple[int, Any, int | None]]
+                  ) -> None:
+        """Records what one ``allocate_new_blocks`` appended to the request's rows: the last of a group's new
+        blocks (the host group's may start with a copy-on-write block that replaced a page in place, recorded
+        by ``_apply_cow``)."""
+        for kv_group, manager, group in group_ids:
+            new = new_blocks[kv_group]
+            if not new:
+                continue
+            row = manager.req_to_blocks[request_id]
+            recorded = len(self.rows.row(request_id, group))
+            if recorded + len(new) < len(row) or recorded > len(row):
+                self.book.counters["rows_reread"] += 1
+                self.reread(request_id, manager, group)
+            else:
+                self.rows.extend(request_id, group, block_ids(row[recorded:]))
+
+
+class Bookkeeping(HiSparseCoordinator):
+    """``HiSparseCoordinator`` whose per-step scans run in the core or skip what did not change (module
+    docstring): exactly vLLM's decisions, at a fraction of the cost."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.counters: Counter[str] = Counter()
+        block_size = self.resident_managers[0].block_size if self.resident_managers else 1
+        self.rows = BlockRows(max(1, len(self.resident_managers)), block_size)
+        self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
+        # Requests known to hold their hot regions (``_can_read_from_host``).
+        self._reads_host: set[str] = set()
+        # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
+        self.requests: dict = {}
+        # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
+        self._forgotten_below = 0
+
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        """Hooks into the KV cache manager's coordinator: its allocations grow the recorded rows, and its pool
+        reset (``KVCacheCoordinator.reset_prefix_cache``, which ``reset_prefix_cache`` runs after preempting
+        and before the connector's ``reset_cache``) calls :meth:`forget_worker_state` first, since by the time
+        vLLM asks the connector, the pins of transfers in flight have already made the pools' reset fail.
+        Only this instance's methods change."""
+        pools = kv_cache_manager.coordinator
+        reset_pools = pools.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            self.forget_worker_state()
+            return reset_pools()
+
+        pools.reset_prefix_cache = reset_prefix_cache
+        if self._recorder is None:
+            return
+        by_manager = {id(manager): group for manager, group in self._recorder.groups}
+        group_ids = [(kv_group, manager, by_manager[id(manager)]) for kv_group, manager
+                     in enumerate(pools.single_type_managers) if id(manager) in by_manager]
+        allocate, record = pools.allocate_new_blocks, self._recorder.allocated
+
+        def allocate_new_blocks(request_id: str, *args, **kwargs):
+            new_blocks = allocate(request_id, *args, **kwargs)
+            if any(new_blocks):
+                record(request_id, new_blocks, group_ids)
+            return new_blocks
+
+        pools.allocate_new_blocks = allocate_new_blocks
+
+    def check_rows(self) -> None:
+        """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
+        vLLM has forgotten is still recorded. For tests: O(every row)."""
+        if self._recorder is None:
+            return
+        held = set()
+        for manager, group in self._recorder.groups:
+            for request_id, blocks in manager.req_to_blocks.items():
+                held.add(request_id)
+                row = manager.get_residency_row(request_id) if group is not None else blocks
+                if self.rows.row(request_id, group) != block_ids(row):
+                    raise InvariantError(f"request {request_id!r}: recorded row of group {group} differs from vLLM's")
+        if len(self.rows) > len(held):
+            raise InvariantError(f"{len(self.rows)} requests recorded, vLLM holds rows of {len(held)}")
+
+    # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
+
+    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
+              can_wait: bool = True, longest: int | None = None) -> bool:
+        """vLLM admits every request it can allocate for (``coordinator.HisparseCoordinator.admit``)."""
+        return True
+
+    def report_heat(self, report: Any) -> None:
+        """vLLM's free queue ignores selection heat."""
+
+    def move_heat(self) -> None:
+        """Nothing to move: no heat is acted on."""
+
+    # ------------------------------------------------------------------ per-step scans, O(what changed)
+    #
+    # vLLM's connector runs every per-step scan over every scheduled request; these give the same results
+    # while touching only requests whose step changes something, or run in the core
+    # (``connector.build_connector_meta`` calls them in vLLM's order).
+
+    def _can_read_from_host(self, request_id: str) -> bool:
+        # Once true it stays true until the request is freed: hot regions are only given back by
+        # pop_blocks_for_free, which frees the request here first (free() forgets it).
+        if request_id in self._reads_host:
+            return True
+        if super()._can_read_from_host(request_id):
+            self._reads_host.add(request_id)
+            return True
+        return False
+
+    def with_residency_work(self, requests) -> list[tuple[str, int]]:
+        """The ``(request, tokens computed after the step)`` pairs for which ``advance_scheduled`` does
+        anything: a sealed page without a host copy planned (``plan_prefix_materialization``'s range is not
+        empty), or a residency decision that is not a no-op (a prefix to adopt, clean pages still pinned, or
+        no hot region yet). The others are steady decodes already reading through a hot region."""
+        if not self.resident_managers:
+            return []
+        block_size = self.host_manager.block_size
+        reprefill = self.num_reprefillable_tokens
+        imports = self._pending_imports
+        states = self.request_states
+        resident = self.resident_managers[0].req_to_blocks
+        reads_host = self._reads_host
+        out = []
+        for request_id, num_tokens in requests:
+            state = states.get(request_id)
+            if state is None:
+                out.append((request_id, num_tokens))
+                continue
+            first = state.ready_prefix_pages
+            if imports:
+                first = max(first, -(-imports.get(request_id, 0) // block_size))
+            if first < max(0, num_tokens - reprefill) // block_size or state.pages_to_adopt:
+                out.append((request_id, num_tokens))
+                continue
+            # A clean page still pinned is released only once it leaves the tail (_resident_page_blocks):
+            # a pinned page in the tail, the usual case, is no work. Counted by membership, not by iterating
+            # the set, whose table keeps the size it had when the request last held many pinned pages.
+            pinned = state.pinned_clean
+            if pinned:
+                pages = len(resident.get(request_id, ()))
+                if len(pinned) > sum(page in pinned for page in range(max(0, pages - ACTIVE_TAIL_PAGES), pages)):
+                    out.append((request_id, num_tokens))
+                    continue
+            if request_id not in reads_host and not self._can_read_from_host(request_id):
+                out.append((request_id, num_tokens))
+        return out
+
+    def row_mirrors(self, requests) -> dict[str, tuple[SparseKVRowMirror, ...]]:
+        """``build_row_mirrors`` of each ``(request, first token, tokens)`` on its own, in one core call: what
+        vLLM's connector sends per request (one new row per decode step, so this is what changed)."""
+        if self._recorder is None:
+            return {request_id: () for request_id, _, _ in requests}
+        return self.rows.mirrors(requests, SparseKVRowMirror)
+
+    def all_context_pages_resident(self, requests) -> bool:
+        """vLLM's answer (``coordinator.py:676``: every scheduled request has the blocks of its context and reads
+        only resident pages), from the recorded rows, which count their pages read from the host."""
+        if self._recorder is None:
+            return False
+        return self.rows.all_resident([(request_id, computed + scheduled)
+                                       for request_id, computed, scheduled in requests])
+
+    def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
+        # Called for every request after every step. When the durable prefix publishes nothing new, records
+        # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
+        # publication cleared): skip the publication object and the host manager's call.
+        manager = self.host_manager
+        state = self.request_states.get(request.request_id) if manager is not None else None
+        if state is not None and self.resident_managers:
+            block_size = manager.block_size
+            num_pages = num_computed_tokens // block_size
+            ready = state.ready_prefix_pages
+            if ready >= num_pages:
+                num_tokens = min(num_computed_tokens, ready * block_size)
+                hashed = len(request.block_hashes) * manager.block_pool.hash_block_size
+                cached = manager.num_cached_block.get(request.request_id, 0)
+                host_blocks = manager.req_to_blocks.get(request.request_id)
+                recorded = not host_blocks or state.copies_recorded_blocks >= min(num_tokens // block_size,
+                                                                                   len(host_blocks))
+                if recorded and (not manager.kv_cache_spec.prefix_cacheable
+                                 or cached >= min(num_tokens, hashed) // block_size):
+                    state.publication = None
+                    return
+        super().publish_when_ready(request, num_computed_tokens, retention_interval,
+                                   replay_boundaries=replay_boundaries)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._reads_host.discard(request_id)
+
+    # ------------------------------------------------------------------ a reset: what the workers held is gone
+
+    def forget_worker_state(self) -> bool:
+        """Forgets everything the workers were asked to hold or do, for a reset of vLLM's prefix cache
+        (``Scheduler.reset_prefix_cache``, vLLM's recovery when the KV its workers hold is gone: a worker
+        process that died and was replaced has lost its GPU cache, its pinned host pool, its residency tables
+        and hot buffers, and the transfers and host copies it had in flight, which will never be reported).
+        vLLM's coordinator keeps those transfers' and copies' pins until a worker reports them, so vLLM's pools
+        never count as free and the reset fails (``RuntimeError`` when running requests were preempted for
+        it). Here their pins are given back, detached host publications waiting on them are dropped unpublished,
+        and the GPU copies indexed for host prefix hits are forgotten: vLLM's reset then clears both pools'
+        hashes, so no host prefix and no GPU page the old worker held is read again; every request computes
+        its KV anew. Transfer ids are not reused (``next_spill_id`` goes on), so a late report of a dropped
+        transfer names no transfer and is ignored (counted in ``late_transfer_reports``). On a live worker
+        (a reset after a weight update), the dropped transfers were submitted in earlier steps, which vLLM's
+        worker orders before the next steps' host writes (``host_write_event``).
+
+        Only once every block in use is held by these pins alone (every running request preempted or finished,
+        and no block free deferred behind a step in flight): otherwise vLLM's reset fails anyway, and nothing
+        changes here; returns whether it forgot (True also when there was nothing to forget)."""
+        if self.host_manager is None or any(manager.req_to_blocks for manager in self.managers):
+            return False
+        host_pool = self.host_manager.block_pool
+        gpu_pins: Counter[int] = Counter()
+        host_pins: Counter[int] = Counter()
+        detached = {}  # a finished request's publication, shared by its transfers: leased once
+        for pending in self.pending_spills.values():
+            if not pending.enqueue_applied:
+                gpu_pins.update(block.block_id for block in pending.resident_blocks)
+            host_pins[pending.host_block.block_id] += 1
+            publication = pending.request_state.publication
+            if publication is not None and publication.detached_blocks is not None:
+                detached[id(publication)] = publication.detached_blocks
+        for blocks in detached.values():
+            host_pins.update(block.block_id for block in blocks)
+        for source, copy in self._retained_copies.values():
+            host_pins.update((source.block_id, copy.block_id))
+        for pool, pins in ((self.gpu_pool, gpu_pins), (host_pool, host_pins)):
+            if pool is not None and any(block.ref_cnt != pins[block.block_id] for block in pool.blocks
+                                        if block.ref_cnt and not block.is_null):
+                return False
+        for pending in self.pending_spills.values():
+            if not pending.enqueue_applied:
+                for manager, block in zip(self.resident_managers, pending.resident_blocks, strict=True):
+                    manager.block_pool.free_blocks([block])
+            host_pool.free_blocks([pending.host_block])
+            state = pending.request_state
+            state.pending_pages.pop(pending.page[1], None)
+            publication = state.publication
+            if publication is not None and publication.detached_blocks is not None:
+                # A finished request's prefix waiting on these copies: its lease is given back unpublished.
+                host_pool.free_blocks(reversed(publication.detached_blocks))
+                state.publication = None
+        for source, copy in self._retained_copies.values():
+            host_pool.free_blocks([copy, source])
+        self.counters["transfers_dropped"] += len(self.pending_spills)
+        self.counters["host_copies_dropped"] += len(self._retained_copies)
+        self._forgotten_below = self.next_spill_id
+        self.pending_spills.clear()
+        self.spills_to_send = []
+        self._retained_copies.clear()
+        self._pending_imports.clear()
+        self.copies.clear()
+        self._copy_by_block.clear()
+        self._owners.clear()
+        self.request_states.clear()
+        self._resident_requests.clear()
+        self._reads_host.clear()
+        self.rows.clear_all()
+        return True
+
+    def update_spills(self, enqueued_counts, completed_counts) -> None:
+        # vLLM's ignores ids it does not track; those forget_worker_state dropped are counted.
+        if self._forgotten_below:
+            self.counters["late_transfer_reports"] += sum(
+                1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
+                if transfer_id < self._forgotten_below and transfer_id not in self.pending_spills)
+        super().update_spills(enqueued_counts, completed_counts)

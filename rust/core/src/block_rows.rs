@@ -1,0 +1,285 @@
+//! The block rows of an engine that owns its block ids (vLLM 0.33's HiSparse): per request, the GPU block of
+//! each page in every resident group (with its residency changes applied: a page read from the host holds
+//! [`HOST_ONLY`]) and the host block of each page. The engine stays the one allocator; it reports each change
+//! of a row here as it makes it, and the scans its scheduler runs every step over every scheduled request
+//! (the rows the worker mirrors to the host, whether a step reads anything from the host) run here over
+//! plain integers, in one call for the whole batch.
+//!
+//! A row that was never reported is empty: vLLM's scans treat a request with no row the way they treat an
+//! empty one (no page of it is mirrored or resident), so the two need not be told apart.
+
+use std::collections::HashMap;
+
+use crate::error::{invalid, Result};
+
+/// A page with no GPU block in its group: it is read from the host (vLLM's null block).
+pub const HOST_ONLY: u32 = u32::MAX;
+
+/// Which of a request's rows: a resident group's, or the host group's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Row {
+    Resident(usize),
+    Host,
+}
+
+/// One row and how many of its pages are [`HOST_ONLY`], so "is every page resident" is O(1).
+#[derive(Clone, Debug, Default)]
+struct Blocks {
+    ids: Vec<u32>,
+    host_only: usize,
+}
+
+impl Blocks {
+    fn set(&mut self, ids: Vec<u32>) {
+        self.host_only = count_host_only(&ids);
+        self.ids = ids;
+    }
+
+    fn extend(&mut self, ids: &[u32]) {
+        self.host_only += count_host_only(ids);
+        self.ids.extend_from_slice(ids);
+    }
+
+    fn set_page(&mut self, page: usize, id: u32) -> Result<()> {
+        let Some(slot) = self.ids.get_mut(page) else {
+            return invalid(format!("page {page} is past the row's {} pages", self.ids.len()));
+        };
+        self.host_only = self.host_only + usize::from(id == HOST_ONLY) - usize::from(*slot == HOST_ONLY);
+        *slot = id;
+        Ok(())
+    }
+}
+
+fn count_host_only(ids: &[u32]) -> usize {
+    ids.iter().filter(|&&id| id == HOST_ONLY).count()
+}
+
+#[derive(Clone, Debug)]
+struct Rows {
+    resident: Vec<Blocks>,
+    host: Blocks,
+}
+
+/// A contiguous span of one page's rows to copy from the resident groups to the host (vLLM's
+/// `SparseKVRowMirror`): token-row offsets, each `block * block_size + offset`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mirror {
+    /// One start per resident group, in group order.
+    pub sources: Vec<u64>,
+    pub destination: u64,
+    pub rows: u32,
+}
+
+/// Every request's rows (module docs).
+#[derive(Clone, Debug)]
+pub struct BlockRows {
+    groups: usize,
+    block_size: u32,
+    requests: HashMap<String, Rows>,
+}
+
+impl BlockRows {
+    /// Rows for `groups` resident groups of `block_size`-token pages (the host group's pages are as large).
+    pub fn new(groups: usize, block_size: u32) -> Result<Self> {
+        if groups == 0 || block_size == 0 {
+            return invalid(format!(
+                "need at least one resident group and a positive block size, not {groups} \
+                                    groups of {block_size}"
+            ));
+        }
+        Ok(Self { groups, block_size, requests: HashMap::new() })
+    }
+
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Requests with any row.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    fn blocks_mut(&mut self, request: &str, row: Row) -> Result<&mut Blocks> {
+        if let Row::Resident(group) = row {
+            if group >= self.groups {
+                return invalid(format!("resident group {group} out of range: there are {}", self.groups));
+            }
+        }
+        let groups = self.groups;
+        let rows = self
+            .requests
+            .entry(request.to_owned())
+            .or_insert_with(|| Rows { resident: vec![Blocks::default(); groups], host: Blocks::default() });
+        Ok(match row {
+            Row::Resident(group) => &mut rows.resident[group],
+            Row::Host => &mut rows.host,
+        })
+    }
+
+    /// Replaces a row whole (after a change that may touch any of its pages: an admission, an import).
+    pub fn set(&mut self, request: &str, row: Row, ids: Vec<u32>) -> Result<()> {
+        self.blocks_mut(request, row)?.set(ids);
+        Ok(())
+    }
+
+    /// Appends pages to a row (the blocks an allocation added).
+    pub fn extend(&mut self, request: &str, row: Row, ids: &[u32]) -> Result<()> {
+        self.blocks_mut(request, row)?.extend(ids);
+        Ok(())
+    }
+
+    /// One page of a row changed (a page adopted or dropped). The page must exist.
+    pub fn set_page(&mut self, request: &str, row: Row, page: usize, id: u32) -> Result<()> {
+        if !self.requests.contains_key(request) {
+            return invalid(format!("request {request:?} has no rows"));
+        }
+        self.blocks_mut(request, row)?.set_page(page, id)
+    }
+
+    /// A row was given back (its request freed or preempted); a request with no row left is forgotten.
+    pub fn clear(&mut self, request: &str, row: Row) -> Result<()> {
+        self.blocks_mut(request, row)?.set(Vec::new());
+        let rows = &self.requests[request];
+        if rows.host.ids.is_empty() && rows.resident.iter().all(|b| b.ids.is_empty()) {
+            self.requests.remove(request);
+        }
+        Ok(())
+    }
+
+    /// Forgets every row (the engine's pools were reset).
+    pub fn clear_all(&mut self) {
+        self.requests.clear();
+    }
+
+    /// A row as recorded; empty when never reported.
+    pub fn row(&self, request: &str, row: Row) -> &[u32] {
+        let Some(rows) = self.requests.get(request) else { return &[] };
+        match row {
+            Row::Resident(group) => rows.resident.get(group).map_or(&[], |b| &b.ids),
+            Row::Host => &rows.host.ids,
+        }
+    }
+
+    /// The spans of token rows `start .. start + count` of `request` to mirror to the host: each page's
+    /// rows, when every resident group holds the page on the GPU and the host has a block for it (vLLM's
+    /// `build_row_mirrors`: a page without either is skipped, its neighbours still mirrored).
+    pub fn mirrors(&self, request: &str, start: u64, count: u64) -> Vec<Mirror> {
+        let Some(rows) = self.requests.get(request) else { return Vec::new() };
+        let block_size = u64::from(self.block_size);
+        let end = start.saturating_add(count);
+        let mut out = Vec::new();
+        let mut position = start;
+        while position < end {
+            let (page, offset) = (position / block_size, position % block_size);
+            let num_rows = (block_size - offset).min(end - position);
+            position += num_rows;
+            let Ok(page) = usize::try_from(page) else { break };
+            let block_at = |blocks: &Blocks| blocks.ids.get(page).copied().filter(|&id| id != HOST_ONLY);
+            let Some(host) = block_at(&rows.host) else { continue };
+            let sources: Option<Vec<u64>> = rows
+                .resident
+                .iter()
+                .map(|b| block_at(b).map(|id| u64::from(id) * block_size + offset))
+                .collect();
+            if let Some(sources) = sources {
+                let rows = u32::try_from(num_rows).expect("a span is at most one page of rows");
+                out.push(Mirror { sources, destination: u64::from(host) * block_size + offset, rows });
+            }
+        }
+        out
+    }
+
+    /// Whether `request` reads nothing from the host for a step ending at `tokens`: its first resident row
+    /// reaches the step's last page and no resident row has a page read from the host (vLLM's
+    /// `all_context_pages_resident`, for one request).
+    pub fn all_resident(&self, request: &str, tokens: u64) -> bool {
+        let pages = tokens.div_ceil(u64::from(self.block_size));
+        let Some(rows) = self.requests.get(request) else { return pages == 0 };
+        rows.resident[0].ids.len() as u64 >= pages && rows.resident.iter().all(|b| b.host_only == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows() -> BlockRows {
+        let mut rows = BlockRows::new(2, 4).unwrap();
+        rows.set("a", Row::Resident(0), vec![10, 11, 12]).unwrap();
+        rows.set("a", Row::Resident(1), vec![20, 21, 22]).unwrap();
+        rows.set("a", Row::Host, vec![30, 31, 32]).unwrap();
+        rows
+    }
+
+    #[test]
+    fn a_window_mirrors_each_page_it_touches() {
+        let rows = rows();
+        // rows 3 .. 9: the last row of page 0, all of page 1, the first row of page 2.
+        assert_eq!(
+            rows.mirrors("a", 3, 6),
+            vec![
+                Mirror { sources: vec![43, 83], destination: 123, rows: 1 },
+                Mirror { sources: vec![44, 84], destination: 124, rows: 4 },
+                Mirror { sources: vec![48, 88], destination: 128, rows: 1 },
+            ]
+        );
+        assert!(rows.mirrors("unknown", 0, 8).is_empty());
+    }
+
+    #[test]
+    fn a_page_read_from_the_host_or_without_a_host_block_is_skipped_alone() {
+        let mut rows = rows();
+        rows.set_page("a", Row::Resident(1), 1, HOST_ONLY).unwrap();
+        rows.set_page("a", Row::Host, 2, HOST_ONLY).unwrap();
+        let pages: Vec<u64> = rows.mirrors("a", 0, 12).iter().map(|m| m.destination / 4).collect();
+        assert_eq!(pages, vec![30]);
+        // Past a row's end: nothing, as for a page that has no block yet.
+        assert!(rows.mirrors("a", 12, 4).is_empty());
+    }
+
+    #[test]
+    fn residency_counts_pages_read_from_the_host() {
+        let mut rows = rows();
+        assert!(rows.all_resident("a", 12));
+        assert!(!rows.all_resident("a", 13), "the step's last page has no block yet");
+        rows.set_page("a", Row::Resident(0), 0, HOST_ONLY).unwrap();
+        assert!(!rows.all_resident("a", 4));
+        rows.set_page("a", Row::Resident(0), 0, 7).unwrap();
+        assert!(rows.all_resident("a", 4));
+        rows.extend("a", Row::Resident(1), &[HOST_ONLY]).unwrap();
+        assert!(!rows.all_resident("a", 4));
+        rows.set("a", Row::Resident(1), vec![1, 2, 3]).unwrap();
+        assert!(rows.all_resident("a", 4));
+        assert!(rows.all_resident("never-seen", 0) && !rows.all_resident("never-seen", 1));
+    }
+
+    #[test]
+    fn a_request_is_forgotten_when_its_last_row_is_cleared() {
+        let mut rows = rows();
+        rows.clear("a", Row::Resident(0)).unwrap();
+        rows.clear("a", Row::Resident(1)).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert!(rows.row("a", Row::Resident(0)).is_empty());
+        rows.clear("a", Row::Host).unwrap();
+        assert!(rows.is_empty());
+    }
+
+    #[test]
+    fn bad_arguments_change_nothing() {
+        let mut rows = rows();
+        assert!(rows.set_page("a", Row::Resident(0), 3, 1).is_err());
+        assert!(rows.set_page("b", Row::Host, 0, 1).is_err());
+        assert_eq!(rows.len(), 1);
+        assert!(rows.set("a", Row::Resident(2), vec![]).is_err());
+        assert!(BlockRows::new(0, 4).is_err() && BlockRows::new(1, 0).is_err());
+        assert_eq!(rows.row("a", Row::Resident(0)), &[10, 11, 12]);
+    }
+}
