@@ -80,6 +80,36 @@ def test_pool_policy_takes_the_cores_heat_summary():
     assert not _core.PoolPolicy.worth_transition(64, 6, 384) and _core.PoolPolicy.worth_transition(65, 6, 384)
 
 
+def test_block_rows_mirror_what_vllms_scan_mirrors():
+    """``BlockRows`` (the core's record of vLLM's rows): mirrors as vLLM's ``build_row_mirrors`` makes them, its
+    own dataclass, equal and pickling alike; pages read from the host counted; bad records refused whole."""
+    import pickle
+
+    from vllm.v1.hisparse.types import SparseKVRowMirror
+
+    rows = _core.BlockRows(2, 4)
+    rows.set("a", 0, [10, 11, None])
+    rows.set("a", 1, [20, 21, 22])
+    rows.extend("a", None, [30, 31, 32])
+    got = rows.mirrors([("a", 3, 6), ("b", 0, 4)], SparseKVRowMirror)
+    # Page 2 is read from the host in group 0: skipped, its neighbours mirrored.
+    assert got == {"a": (SparseKVRowMirror((43, 83), 123, 1), SparseKVRowMirror((44, 84), 124, 4)), "b": ()}
+    mirror = got["a"][0]
+    assert pickle.loads(pickle.dumps(mirror)) == mirror and hash(mirror) == hash(SparseKVRowMirror((43, 83), 123, 1))
+    assert not rows.all_resident([("a", 4)])
+    rows.set_page("a", 0, 2, 12)
+    assert rows.all_resident([("a", 12)]) and not rows.all_resident([("a", 12), ("a", 13)])
+    assert rows.row("a", 0) == [10, 11, 12]
+    for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
+                lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):
+        with pytest.raises(hisparse_errors.InvalidArgumentError):
+            bad()
+    assert rows.row("a", 0) == [10, 11, 12] and len(rows) == 1
+    for group in (0, 1, None):
+        rows.clear("a", group)
+    assert len(rows) == 0
+
+
 def _selection_heat(rows: int = 4, pages: int = 12, **options):
     from hisparse.heat import HeatOptions
     from hisparse.integrations.vllm.heat import SelectionHeat

@@ -24,9 +24,11 @@ managers allocate the host source, resident and hot blocks from *its* ``BlockPoo
 61 (or 78) layers into resident/hot groups, its worker mirrors rows and restores pages, and its attention
 backends resolve top-K through the hot buffer. A second allocator over the same tensors cannot work: the
 groups share block memory, so two owners of one id corrupt KV (what the previous adapter did). So vLLM's pool
-stays the one owner of every block id, and we replace only the *policy*: the scheduler-side
-``HiSparseCoordinator`` (built in ``HiSparseConnector.bind_kv_cache_manager``) becomes
-:class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which subclasses it and decides
+stays the one owner of every block id, and we replace only the *policy* and the cost of vLLM's bookkeeping.
+The scheduler-side ``HiSparseCoordinator`` (built in ``HiSparseConnector.bind_kv_cache_manager``) becomes
+:class:`~hisparse.integrations.vllm.bookkeeping.Bookkeeping` (``policy: fifo``: vLLM's decisions, its
+per-step scans run by the Rust core over its record of vLLM's block rows, ``BlockRows``), or under
+``coldest`` its subclass :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which decides
 
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),
   by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest),

@@ -255,6 +255,16 @@ class Bookkeeping(HiSparseCoordinator):
         return self.rows.all_resident([(request_id, computed + scheduled)
                                        for request_id, computed, scheduled in requests])
 
+    def take_residency_updates(self, request_ids):
+        """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
+        worker has not been sent): a decode within its last page has none."""
+        states = self.request_states
+        rows = self.resident_managers[0].req_to_blocks if self.resident_managers else {}
+        return super().take_residency_updates([
+            request_id for request_id in request_ids
+            if (state := states.get(request_id)) is None or state.stale_pages
+            or state.synced_pages < len(rows.get(request_id, ()))])
+
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
         # Called for every request after every step. When the durable prefix publishes nothing new, records
         # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
@@ -360,4 +370,17 @@ class Bookkeeping(HiSparseCoordinator):
             self.counters["late_transfer_reports"] += sum(
                 1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
                 if transfer_id < self._forgotten_below and transfer_id not in self.pending_spills)
-        super().update_spills(enqueued_counts, completed_counts)
+        # vLLM's walks every transfer in flight twice per step, to find those whose counts completed them; a
+        # transfer completes only in a step that reports it. So vLLM's runs over the reported ones alone, in
+        # its order (by id, the order they were planned in), and its removals are applied to the whole table.
+        everything = self.pending_spills
+        reported = sorted({*enqueued_counts, *completed_counts}.intersection(everything))
+        self.pending_spills = {transfer_id: everything[transfer_id] for transfer_id in reported}
+        try:
+            super().update_spills(enqueued_counts, completed_counts)
+        finally:
+            left, self.pending_spills = self.pending_spills, everything
+            for transfer_id in reported:
+                if transfer_id not in left:
+                    del everything[transfer_id]
+            everything.update(left)  # none is new: completing a copy plans no transfer (kept if one did)
