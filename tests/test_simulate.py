@@ -210,7 +210,7 @@ def test_json_has_the_breakdown_and_the_policy_comparison():
         b = p["gpu_blocks_breakdown"]
         assert set(b) == set(sim_mod.BREAKDOWN_KEYS)
         # every usable block is in one of the parts (the null block is not)
-        assert math.isclose(sum(b.values()), 64 - 1, rel_tol=1e-6), b
+        assert math.isclose(sum(b.values()), 64 - 1, abs_tol=0.0005 * len(b)), b  # each part rounded to 0.001
         assert set(p["admission"]) == set(sim_mod.LIMIT_KEYS)
     off = out["points"][0]["gpu_blocks_breakdown"]
     assert off["hot_rows"] == off["indexer_keys"] == 0
@@ -234,13 +234,14 @@ def test_users_arrive_spread_over_the_arrival_window():
 
 def test_short_requests_never_run_fewer_than_plain_residency():
     """4K-token single-turn requests at concurrency 64 never take a hot region (the core's admission reserves
-    one only for requests that can ever use it): hisparse runs as many requests as offload, as fast."""
+    one only for requests that can ever use it): with the same random numbers (every mode draws from one stream
+    per seed and concurrency) hisparse runs exactly what offload runs."""
     common = dict(concurrency=64, duration_s=60.0, first_turn_tokens=4096, turns=1, arrival_spread_s=0.0)
     off = Simulation(SimConfig(mode="offload", **common)).run()
     his = Simulation(SimConfig(mode="hisparse", policy="fifo", **common)).run()
-    assert his["mean_running"] >= off["mean_running"] * 0.995, (his["mean_running"], off["mean_running"])
-    assert his["output_tok_s"] >= off["output_tok_s"] * 0.995
     assert his["mean_mixed"] == 0
+    assert (his["mean_running"], his["output_tok_s"], his["steps"]) == (
+        off["mean_running"], off["output_tok_s"], off["steps"])
 
 
 def test_cli_workload_model_and_gpu_flags(capsys):

@@ -482,8 +482,11 @@ class Simulation:
             num_index_groups=cfg.index_groups, tail_pages=cfg.tail_pages, watermark=d.watermark,
             policy=cfg.core_policy, materialize_budget=cfg.materialize_budget,
         )
-        key = f"{cfg.seed}/{cfg.mode}/{cfg.core_policy}/{cfg.concurrency}"
+        # Common random numbers: every mode and policy at one (seed, concurrency) draws from the same stream, so
+        # a difference between them is theirs, not the dice's (MTP acceptances, misses, the page heat's seed).
+        key = f"{cfg.seed}/{cfg.concurrency}"
         self.rng = random.Random(key)
+        heat_seed = self.rng.randrange(2**32)  # drawn in every mode: the streams stay aligned
         self.progress = progress
         # Per-step (time, running, waiting, prefilling, gpu_free, mixed + none, preempted) when a list is set.
         self.trace: list[tuple[float, int, int, int, int, int, int]] | None = None
@@ -499,7 +502,7 @@ class Simulation:
             self.tables = _WorkerTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_tokens), cfg.block_tokens)
             lp = locality.Params(top_k=cfg.top_k, sink_tokens=max(1, K.TOP_K_SINKS * cfg.top_k // K.TOP_K),
                                  window_tokens=max(1, locality.WINDOW_TOKENS * cfg.top_k // K.TOP_K))
-            self.page_heat = locality.PageHeat(lp, cfg.index_groups, cfg.block_tokens, seed=self.rng.randrange(2**32))
+            self.page_heat = locality.PageHeat(lp, cfg.index_groups, cfg.block_tokens, seed=heat_seed)
         self.rows: dict[int, int] = {}  # running request -> its state row
         # request -> (pages, host share, hot rows, miss rate at them)
         self.shares: dict[int, tuple[int, float, float, float]] = {}
