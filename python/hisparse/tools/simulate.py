@@ -68,7 +68,9 @@ Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
     of its q + 1 consecutive positions' top-K, ~1.6 x top_k at q = 3), the LRU miss curve of a hot buffer over
     such steps, and per request the share ``f`` of a step's selection that lands on its host-only pages (from
     the request's page heat and its host-only pages as the plans' table updates leave them). A decode step
-    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers), ``s = f x union``. A prefill
+    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers), ``s = f x union``, ``S`` the model's
+    curve over the request's history length (measured at 4K, 8K, ... 1M tokens and interpolated: a buffer that
+    holds most of a short history misses little; :func:`hisparse.tools.locality.context_miss_rate`). A prefill
     chunk of T tokens over host-only history reads ``top_k x (1 + (T - 1) x (1 - overlap)) x f`` rows capped
     at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
   * Restores at admission/resumption (tail pages, or every page for the offload baseline) and the indexer
@@ -666,8 +668,8 @@ class Simulation:
             share = min(1.0, info["host_only_pages"] * self.cfg.block_tokens / max(1, info["seq_len"]))
         else:
             share = heat.host_share(rid, tables.host_only[row, :pages])
-        rows = self.d.step_rows * share
-        miss = self.profile.miss_rate(hot / rows) if rows > 0 else 0.0
+        top_k = self.cfg.top_k
+        miss = locality.context_miss_rate(self.cfg.speculative_tokens, hot / top_k, share, info["seq_len"] / top_k)
         self.shares[rid] = (pages, share, hot, miss)
         return share, miss
 
