@@ -59,6 +59,8 @@ def test_pressure_is_real_in_the_tiny_config():
     assert his["mean_mixed"] > 0  # HiSparse moved requests to mixed residency
     assert his["h2d_gb"] > 0 and his["hit_rate"] is not None and 0 < his["hit_rate"] < 1
     assert off["hit_rate"] is None
+    share = his["host_share"]  # of a tiered request's selections, the share on its host-only pages
+    assert 0 < share["p5"] <= share["p50"] <= share["p95"] <= 1 and off["host_share"] is None
 
 
 @pytest.mark.parametrize("policy", ["fifo", "coldest"])

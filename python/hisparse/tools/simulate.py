@@ -85,7 +85,8 @@ Metrics: ``mean_running`` is the blog's metric, the mean of the non-zero samples
 simulated duration; ``null`` when no request finished (a request that never finishes is no success).
 Also per point: host-link bytes per output token, the GPU blocks by use (``gpu_blocks_breakdown``) and what
 held admission (``admission``), sampled every 8 steps; and ``policy_comparison``: coldest vs fifo, with fixed and
-(``--hot-buffers both``) adaptive hot buffers, and ``hot_rows_read`` (the rows of the buffers decode steps read). Output
+(``--hot-buffers both``) adaptive hot buffers, ``hot_rows_read`` (the rows of the buffers decode steps read) and
+``host_share`` (quantiles of the share of a tiered request's selections on its host-only pages). Output
 tokens/s, TTFT and ITL medians (ITL: time between consecutive output chunks of a request, one chunk per step),
 preemptions (not counting un-admissions), H2D GB (misses + restores + indexer-key loads), and the hot-buffer hit
 rate of decode steps (hits / (hits + misses) of the rows selected on host-only pages; ``null`` for offload).
@@ -709,6 +710,7 @@ class Simulation:
         d2h_bytes = 0.0
         hits = misses = 0
         hot_area = hot_weight = 0.0  # hot rows of the buffers decode steps read, weighted by their selected rows
+        share_bins = [0] * (SHARE_BINS + 1)  # decode steps over host-only history by the share f they select there
         max_running = 0
         mixed_area = 0.0
         breakdown: dict[str, float] = dict.fromkeys(("_time", *BREAKDOWN_KEYS, *LIMIT_KEYS), 0.0)
@@ -896,6 +898,7 @@ class Simulation:
                     hits += int(round(rows)) - missed
                     misses += missed
                     hot_area += rows * (self.hot_alloc.get(r.rid, d.hot_rows) if self.adaptive else d.hot_rows)
+                    share_bins[int(f * SHARE_BINS)] += 1
                     hot_weight += rows
                     if self.adaptive:
                         self.selected[r.rid][0] += rows
@@ -1009,6 +1012,9 @@ class Simulation:
             "hot_rows": d.hot_rows,
             # the rows of the hot buffers decode steps read (weighted by their rows on host-only pages)
             "hot_rows_read": hot_area / hot_weight if hot_weight > 0 else None,
+            # the share of a decode step's selected rows on the request's host-only pages, over the decode steps
+            # of requests with host-only pages: how alike the tiered requests' needs are (quantiles, +-0.01)
+            "host_share": _quantiles(share_bins, (0.05, 0.5, 0.95)),
             "gpu_blocks": d.num_gpu_blocks,
             "steady_state_concurrency": final["steady_state_concurrency"],
             "final": {k: final[k] for k in ("gpu_used", "host_referenced", "host_cached", "running",
@@ -1059,6 +1065,28 @@ def share_rows(total: float, demand: Sequence[float], lo: float, hi: float) -> l
         else:
             high = mid
     return spend(low)
+
+
+#: Bins of the host share histogram (``host_share`` in a point).
+SHARE_BINS = 100
+
+
+def _quantiles(bins: Sequence[int], qs: Sequence[float]) -> dict[str, float] | None:
+    """Quantiles of a histogram of ``len(bins) - 1`` equal bins over [0, 1] (the last holds 1.0), each the
+    middle of its bin."""
+    total = sum(bins)
+    if total == 0:
+        return None
+    out = {}
+    width = 1.0 / (len(bins) - 1)
+    for q in qs:
+        seen = 0
+        for i, n in enumerate(bins):
+            seen += n
+            if seen >= q * total:
+                out[f"p{round(q * 100)}"] = round(min(1.0, (i + 0.5) * width), 3)
+                break
+    return out
 
 
 def _breakdown(acc: dict[str, float], keys: Sequence[str]) -> dict[str, float] | None:
