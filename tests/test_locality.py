@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from hisparse.tools import locality
+
+STEP_COST = Path(__file__).resolve().parent.parent / "benches" / "step_cost.py"
 
 
 def test_fit_on_1x_and_4x_predicts_2x_within_20_percent():
@@ -51,3 +60,28 @@ def test_a_buffer_that_holds_much_of_a_short_history_misses_less():
     prof = locality.step_profile(0, context=32.0)
     assert locality.context_miss_rate(0, 4.0, 1.0, 32.0) == prof.miss_rate(4.0 / prof.union)
     assert locality.context_miss_rate(0, 4.0, 0.0, 32.0) == 0.0
+
+
+def test_step_cost_selects_from_the_model_and_its_quick_run_hits():
+    """benches/step_cost.py's indexer stand-in: per request one stream of the model (sinks, the recent window,
+    top_k positions at most, -1 after them), whose consecutive steps share most of their rows; its --quick run
+    reports the resolver's hits and heat summaries."""
+    spec = importlib.util.spec_from_file_location("step_cost", STEP_COST)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    select = bench.Selections(seed=0)
+    first = select([7, 9], [20_000, 30_000]).numpy()
+    again = select([7, 9], [20_001, 30_001]).numpy()
+    assert first.shape == (2, bench.TOP_K) and first.dtype == np.int32
+    for rows, length in zip(first, (20_000, 30_000), strict=True):
+        valid = rows[rows >= 0]
+        assert (rows[len(valid):] == -1).all() and valid.max() < length
+        p = locality.Params()
+        assert set(range(p.sink_tokens)) | set(range(length - p.window_tokens, length)) <= set(valid.tolist())
+    shared = len(np.intersect1d(first[0][first[0] >= 0], again[0][again[0] >= 0])) / (first[0] >= 0).sum()
+    assert shared > 0.5, shared
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(STEP_COST), "--quick"], capture_output=True, text=True, env=env,
+                          timeout=300, check=True)
+    detail = json.loads(proc.stdout)["detail_8x16k"]
+    assert 0 < detail["hit_rate"] <= 1 and detail["heat_steps"] >= 1
