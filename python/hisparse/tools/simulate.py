@@ -632,8 +632,8 @@ class Simulation:
         host-only pages per decode step over the last heat interval in which it decoded, each within [one step's
         selected rows, 32,768]. The model's miss rate is a function of hot rows / selected rows alone, so equal
         ratios equalize every request's marginal gain from a row: for a fixed total, the fewest misses. A request
-        not measured yet counts as the holders' mean. (Counting prefill steps as selecting nothing starves a
-        request for the interval after its prefill: 0.6 points of hit rate lost at concurrency 32.)"""
+        not measured yet counts as the holders' mean. Prefill steps are not counted: as steps that select nothing
+        there, they would starve a request for the interval after its prefill, when it decodes."""
         tables, d = self.tables, self.d
         assert tables is not None
         tables.hot_changed = False
