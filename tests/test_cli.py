@@ -71,7 +71,7 @@ SIMULATE = [
     ("--kv-hbm-gib", (*BAD_FLOATS, "1e308", "2147483648", "1e8")),  # 1e8 GiB: 31e9 blocks, the memory check
     ("--mtp", (*BAD_NUMBERS, "-1", "8", *BIG_INTS)),
     ("--accept-length", (*BAD_FLOATS, "0.5")),
-    ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")),
+    ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")), ("--hot-buffers", ("grow", "", "ADAPTIVE")),
     ("--kv-hbm-gib", ("100000", "131.4")),  # more than one H200's memory (131.3 GiB)
     ("--turns", ints()), ("--first-turn-tokens", ints("200000")),  # 200,000 > the default --max-model-len
     ("--later-turn-tokens", (*BAD_NUMBERS, "-1", *BIG_INTS)), ("--output-tokens", ints()),
@@ -86,6 +86,7 @@ LINES = [
     ["demo", "--layers", "1", "--index-share", "2"],
     ["calc", "--mtp", "3", "--hot-rows", "4096"], ["calc", "--seq"], ["calc", "--bogus", "1"],
     ["simulate", "--hot-rows", "4096", "--adaptive-hot-rows"], ["simulate", "--concurrency"],
+    ["simulate", "--hot-buffers"],
     ["scenario", "--seed"], ["scenario", "--json", "x"],
     [], ["bogus"], ["--bogus"], ["-x", "calc"],
 ]
