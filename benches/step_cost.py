@@ -8,12 +8,17 @@ The workload, for N requests of about C tokens (block 64, top-K 2048, 4096 hot r
 * a GPU pool at 30% of what full residency needs, or what every request's tail and hot region need when that
   is more (at 16K a 64-block hot region is a quarter of a request), a host pool that holds everything: most
   requests decode in mixed residency, pages are released and reused every step;
-* every step each request decodes one token and the indexer stand-in selects 2048 positions: the first 64
-  tokens (sinks), the last 512 (recent window), and 1472 drawn from older pages by a log-uniform rank
-  (Zipf with exponent 1) scattered over the request's pages by a per-request stride; the real resolver
-  (the Rust reference of ``resolve``) runs on them, so heat, hits and misses are real;
+* every step each request decodes one token and the indexer stand-in selects up to 2048 positions from the
+  per-page selection model of :mod:`hisparse.tools.locality`, one stream per request with its fitted
+  parameters: the first 4 tokens (sinks), the last 512 (recent window), and the rest from drifting topic spans
+  of 256 tokens anywhere in the history, half of the new spans ones the request read before (the model that
+  puts LRU hot buffers of 1x / 4x top-K rows on the published 30% / 6.7% misses). Selections therefore recur
+  from step to step, heat summaries rank pages by what is selected again, and the real resolver (the Rust
+  reference of ``resolve``) runs on them, so heat, hits and misses are real. Making the selections is not
+  timed (it stands for the indexer's kernel);
 * the worker's copies are reported one step late;
-* heat summaries every 32 steps (``WorkerHooks`` defaults: 128 coldest and 32 hottest pages per request).
+* heat summaries every 32 steps (``WorkerHooks`` defaults: 128 coldest and 32 hottest pages per request),
+  which the core's ``coldest`` policy (the default; ``--policy fifo`` for vLLM's order) releases by.
 
 Setup (prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
 (scheduler); ``apply``, ``slot_mapping`` (where the step writes its KV: an engine needs it every step) and
@@ -29,6 +34,7 @@ cost on CPU is the reference's scan of the heat table (on a GPU, one kernel). Pr
     python benches/step_cost.py                  # N in {32, 128, 256} x C in {16K, 128K, 1M}
     python benches/step_cost.py --quick          # one small configuration (a smoke test)
     python benches/step_cost.py --configs 32x16k,256x1m --steps 128
+    python benches/step_cost.py --quick --policy fifo   # the same selections released in vLLM's order
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ import statistics
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from hisparse import DataPath, Layout, ResidencyManager
 from hisparse.hooks import SchedulerHooks, WorkerHooks
+from hisparse.tools import locality
 
 BLOCK, TOP_K, HOT_ROWS, ROW_BYTES = 64, 2048, 4096, 16
-SINKS, RECENT = 64, 512
 clock = time.perf_counter
 CHUNK = 1 << 20  # prefill tokens per setup step, over all requests
 
@@ -87,18 +94,26 @@ def parse_config(text: str) -> tuple[int, int]:
     return int(n), int(ctx[:-1]) * scale[ctx[-1]] if ctx[-1] in scale else int(ctx)
 
 
-def selections(lens: torch.Tensor, strides: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """[N, TOP_K] int32 positions of the locality model (see the module docstring)."""
-    n = lens.shape[0]
-    sinks = torch.arange(SINKS).expand(n, -1)
-    recent = (lens[:, None] - RECENT + torch.arange(RECENT)[None, :]).clamp(min=0)
-    old_pages = ((lens - RECENT).clamp(min=BLOCK) // BLOCK)[:, None]
-    u = torch.rand(n, TOP_K - SINKS - RECENT, generator=gen, dtype=torch.float64)
-    rank = (old_pages.to(torch.float64) ** u).floor().to(torch.int64) - 1
-    page = (rank * strides[:, None]) % old_pages
-    offset = torch.randint(0, BLOCK, rank.shape, generator=gen)
-    old = page * BLOCK + offset
-    return torch.cat([sinks, recent, old], dim=1).to(torch.int32)
+class Selections:
+    """The indexer stand-in: one :class:`hisparse.tools.locality.SelectionStream` per request (its fitted
+    parameters at top-K 2048), started at the request's length on its first decode step."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.streams: dict[int, locality.SelectionStream] = {}
+
+    def __call__(self, requests: list[int], lens: list[int]) -> torch.Tensor:
+        """[N, TOP_K] int32 positions (-1 pads: topic spans can overlap) for requests of lengths ``lens``."""
+        out = torch.full((len(requests), TOP_K), -1, dtype=torch.int32)
+        for i, (request, length) in enumerate(zip(requests, lens, strict=True)):
+            stream = self.streams.get(request)
+            if stream is None:
+                params = locality.Params(top_k=TOP_K, context=length)
+                stream = self.streams[request] = locality.SelectionStream(params, seed=self.seed * 1_000_003 + request)
+            stream.length = length  # one decoded token per step keeps it there; a bench change would not
+            rows = stream.select()
+            out[i, : len(rows)] = torch.from_numpy(rows.astype(np.int32))
+        return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -106,8 +121,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
+def run(n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest") -> dict:
     lens0 = [int(ctx * (0.75 + 0.25 * i / max(1, n - 1))) // 1 for i in range(n)]
     max_len = max(lens0) + steps + BLOCK
     max_pages = math.ceil(max_len / BLOCK)
@@ -119,7 +133,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
                     max_running=n, hot_rows=HOT_ROWS, row_bytes=ROW_BYTES, layer_groups=(0,))
     manager = ResidencyManager(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK,
                                max_model_len=max_len, max_running=n, top_k=TOP_K, hot_rows=HOT_ROWS,
-                               page_bytes=layout.page_bytes, materialize_budget=1 << 20)
+                               page_bytes=layout.page_bytes, materialize_budget=1 << 20, policy=policy)
     timed = Timed(manager)
     sched = SchedulerHooks(manager)
     sched.manager = timed
@@ -147,8 +161,8 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
         t2 = clock()
         resolved = 0.0
         if timing is not None:
-            lens = torch.tensor([s for _, _, s, _ in step.plan.scheduled], dtype=torch.int64) + 1
-            topk = selections(lens, strides, gen)
+            scheduled = step.plan.scheduled
+            topk = select([r for r, _, _, _ in scheduled], [s + 1 for _, _, s, _ in scheduled])
             rows = torch.tensor(step.plan.rows, dtype=torch.int32)
             r0 = clock()
             worker.resolve(topk, rows)
@@ -192,7 +206,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0) -> dict:
             one_step(flush, None)
     one_step(flush, None)  # the last chunk's pages are copied
     setup_s = clock() - t_setup
-    strides = torch.randint(1, 1 << 16, (n,), generator=gen) * 2 + 1
+    select = Selections(seed)
 
     timing: dict[str, list] = {k: [] for k in ("sched", "worker", "core", "resolve", "plan_bytes", "allocating",
                                                "heat")}
@@ -227,15 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=128, help="timed decode steps per configuration")
     p.add_argument("--quick", action="store_true", help="one small configuration, a few steps")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: no pool contention)")
+    p.add_argument("--policy", choices=("coldest", "fifo"), default="coldest",
+                   help="the core's pressure policy (coldest: release the pages the heat summaries rank coldest)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     configs = ["8x16k"] if args.quick else args.configs.split(",")
     steps = 40 if args.quick else args.steps
-    out: dict = {"steps": steps, "block_size": BLOCK, "top_k": TOP_K, "hot_rows": HOT_ROWS}
+    out: dict = {"steps": steps, "block_size": BLOCK, "top_k": TOP_K, "hot_rows": HOT_ROWS, "policy": args.policy}
     for text in configs:
         n, ctx = parse_config(text)
         key = text.lower()
-        r = run(n, ctx, steps)
+        r = run(n, ctx, steps, policy=args.policy)
         out[f"sched_us_per_req_{key}"] = round(r["sched_p50"], 3)
         out[f"sched_us_per_req_p90_{key}"] = round(r["sched_p90"], 3)
         out[f"worker_us_per_req_{key}"] = round(r["worker_p50"], 3)

@@ -297,6 +297,7 @@ def test_totals_are_replica_values_times_dp() -> None:
         ({"groups": 0}, "groups"),
         ({"retained_pages": -1}, "retained_pages"),
         ({"host_gib": -1.0}, "host_gib"),
+        ({"host_gib": 4096.5}, "use --host-gib 4096 or less"),
         ({"kv_hbm_gib": float("nan")}, "kv_hbm_gib"),
         ({"gpu": "a100"}, "unknown gpu"),
         ({"model": "llama"}, "unknown model"),
@@ -309,6 +310,11 @@ def test_bad_inputs_raise_calc_error(kwargs: dict, match: str) -> None:
     with pytest.raises(calc.CalcError, match=match):
         calc.calculate(**kwargs)
     assert issubclass(calc.CalcError, ValueError)
+
+
+def test_the_largest_host_pool_accepted_is_the_bound() -> None:
+    """A host pool of 4,096 GiB, the top of the calculator's range, is accepted (just beyond: refused above)."""
+    assert calc.calculate(host_gib=4096).host_pool_gib == 4096
 
 
 @pytest.mark.parametrize(
@@ -433,7 +439,7 @@ if given is not None:
         seq_len=st.integers(1, 2_000_000),
         mtp=st.none() | st.integers(0, 6),
         max_seqs=st.integers(1, 2048),
-        host_gib=st.none() | st.floats(0, 5000),
+        host_gib=st.none() | st.floats(0, calc.HOST_POOL_MAX_GIB),  # above: refused
     )
     def test_invariants(model, gpu, tp, dp, ep, kv_dtype, seq_len, mtp, max_seqs, host_gib) -> None:
         r = calc.calculate(model=model, gpu=gpu, tp=tp, dp=dp, ep=ep, kv_dtype=kv_dtype, seq_len=seq_len,

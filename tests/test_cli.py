@@ -60,6 +60,7 @@ CALC = [
     ("--kv-hbm-gib", ("abc", "", "nan", "inf", "-inf", "-1", "1e308", "2e9", "18446744073709551616")),
     ("--model", ("llama", "", "glm")), ("--gpu", ("a100", "")), ("--kv-dtype", ("int4", "")),
     ("--accounting", ("magic", "")),
+    ("--host-gib", ("100000", "4096.5")),  # beyond the calculator's 4,096 GiB host pools
 ]
 SIMULATE = [
     ("--concurrency", (*ints("2147483648"), ",", "1,,0", "1,-1", "8,4294967296")),  # 2**31: the memory check
@@ -70,7 +71,7 @@ SIMULATE = [
     ("--kv-hbm-gib", (*BAD_FLOATS, "1e308", "2147483648", "1e8")),  # 1e8 GiB: 31e9 blocks, the memory check
     ("--mtp", (*BAD_NUMBERS, "-1", "8", *BIG_INTS)),
     ("--accept-length", (*BAD_FLOATS, "0.5")),
-    ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")),
+    ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")), ("--hot-buffers", ("grow", "", "ADAPTIVE")),
     ("--kv-hbm-gib", ("100000", "131.4")),  # more than one H200's memory (131.3 GiB)
     ("--turns", ints()), ("--first-turn-tokens", ints("200000")),  # 200,000 > the default --max-model-len
     ("--later-turn-tokens", (*BAD_NUMBERS, "-1", *BIG_INTS)), ("--output-tokens", ints()),
@@ -85,6 +86,7 @@ LINES = [
     ["demo", "--layers", "1", "--index-share", "2"],
     ["calc", "--mtp", "3", "--hot-rows", "4096"], ["calc", "--seq"], ["calc", "--bogus", "1"],
     ["simulate", "--hot-rows", "4096", "--adaptive-hot-rows"], ["simulate", "--concurrency"],
+    ["simulate", "--hot-buffers"],
     ["scenario", "--seed"], ["scenario", "--json", "x"],
     [], ["bogus"], ["--bogus"], ["-x", "calc"],
 ]
@@ -171,6 +173,7 @@ def test_the_issue_cases(capsys) -> None:
         ("calc", "--host-gib", "1e308"): "--host-gib: must lie in [0, 1.07374e+09]",
         ("simulate", "--concurrency", "2147483648"): "lower --concurrency",
         ("simulate", "--kv-hbm-gib", "100000"): "use --kv-hbm-gib 131.3 or less",
+        ("calc", "--host-gib", "100000"): "use --host-gib 4096 or less",
         ("simulate", "--first-turn-tokens", "1000000"): "raise --max-model-len (at most 1,048,576",
         ("demo", "--fit", "0.5"): "raise --fit to at least",
     }

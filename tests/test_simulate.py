@@ -59,6 +59,8 @@ def test_pressure_is_real_in_the_tiny_config():
     assert his["mean_mixed"] > 0  # HiSparse moved requests to mixed residency
     assert his["h2d_gb"] > 0 and his["hit_rate"] is not None and 0 < his["hit_rate"] < 1
     assert off["hit_rate"] is None
+    share = his["host_share"]  # of a tiered request's selections, the share on its host-only pages
+    assert 0 < share["p5"] <= share["p50"] <= share["p95"] <= 1 and off["host_share"] is None
 
 
 @pytest.mark.parametrize("policy", ["fifo", "coldest"])
@@ -210,7 +212,7 @@ def test_json_has_the_breakdown_and_the_policy_comparison():
         b = p["gpu_blocks_breakdown"]
         assert set(b) == set(sim_mod.BREAKDOWN_KEYS)
         # every usable block is in one of the parts (the null block is not)
-        assert math.isclose(sum(b.values()), 64 - 1, rel_tol=1e-6), b
+        assert math.isclose(sum(b.values()), 64 - 1, abs_tol=0.0005 * len(b)), b  # each part rounded to 0.001
         assert set(p["admission"]) == set(sim_mod.LIMIT_KEYS)
     off = out["points"][0]["gpu_blocks_breakdown"]
     assert off["hot_rows"] == off["indexer_keys"] == 0
@@ -234,13 +236,27 @@ def test_users_arrive_spread_over_the_arrival_window():
 
 def test_short_requests_never_run_fewer_than_plain_residency():
     """4K-token single-turn requests at concurrency 64 never take a hot region (the core's admission reserves
-    one only for requests that can ever use it): hisparse runs as many requests as offload, as fast."""
+    one only for requests that can ever use it): with the same random numbers (every mode draws from one stream
+    per seed and concurrency) hisparse runs exactly what offload runs."""
     common = dict(concurrency=64, duration_s=60.0, first_turn_tokens=4096, turns=1, arrival_spread_s=0.0)
     off = Simulation(SimConfig(mode="offload", **common)).run()
     his = Simulation(SimConfig(mode="hisparse", policy="fifo", **common)).run()
-    assert his["mean_running"] >= off["mean_running"] * 0.995, (his["mean_running"], off["mean_running"])
-    assert his["output_tok_s"] >= off["output_tok_s"] * 0.995
     assert his["mean_mixed"] == 0
+    assert (his["mean_running"], his["output_tok_s"], his["steps"]) == (
+        off["mean_running"], off["output_tok_s"], off["steps"])
+
+
+@pytest.mark.parametrize("policy", ["coldest", "fifo"])
+def test_growing_4k_conversations_run_more_and_faster_than_plain_residency(policy):
+    """13 turns from a 4K-token prompt (up to ~16K tokens) at concurrency 64: hisparse tiers requests (a buffer
+    of 10,240 rows over such short histories misses little) and runs more requests, and more tokens per second,
+    than offload."""
+    common = dict(concurrency=64, duration_s=90.0, first_turn_tokens=4096, arrival_spread_s=0.0)
+    off = Simulation(SimConfig(mode="offload", **common)).run()
+    his = Simulation(SimConfig(mode="hisparse", policy=policy, **common)).run()
+    assert his["mean_mixed"] > 0
+    assert his["mean_running"] > off["mean_running"], (his["mean_running"], off["mean_running"])
+    assert his["output_tok_s"] > off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
 
 
 def test_cli_workload_model_and_gpu_flags(capsys):
@@ -285,3 +301,58 @@ def test_kv_hbm_beyond_the_gpu_is_refused():
     with pytest.raises(ConfigError, match=r"exceeds the 131\.3 GiB of one H200"):
         derive(SimConfig(kv_hbm_gib=100_000.0))
     derive(SimConfig(kv_hbm_gib=100.0, gpu="b200"))
+
+
+def test_share_rows_is_proportional_within_bounds():
+    shares = sim_mod.share_rows(300.0, [1.0, 2.0, 3.0], lo=10.0, hi=1000.0)
+    assert shares == pytest.approx([50.0, 100.0, 150.0])
+    # a share below lo is raised to it, one above hi cut to it; the rest is shared by the others' demand
+    shares = sim_mod.share_rows(300.0, [0.0, 1.0, 1.0], lo=40.0, hi=1000.0)
+    assert shares == pytest.approx([40.0, 130.0, 130.0])
+    shares = sim_mod.share_rows(300.0, [100.0, 1.0, 1.0], lo=10.0, hi=120.0)
+    assert shares == pytest.approx([120.0, 90.0, 90.0])
+    assert sim_mod.share_rows(90.0, [0.0, 0.0, 0.0], lo=10.0, hi=100.0) == pytest.approx([30.0] * 3)
+
+
+def test_adaptive_hot_buffers_share_the_leased_rows_of_the_core_s_regions():
+    """Adaptive hot buffers: at every rebalance the holders are exactly the requests the core leased a hot region
+    (read from the plans), their rows add up to what those regions hold and each lies within its bounds; every
+    request still finishes and nothing leaks. Fixed buffers read ``hot_rows`` rows every step."""
+    checks = []
+
+    class Checked(Simulation):
+        def _rebalance(self):
+            super()._rebalance()
+            leased = {rid for rid in self.rows if int(self.manager.request_info(rid)["hot_blocks"]) > 0}
+            assert set(self.hot_alloc) == leased
+            total = sum(self.hot_alloc.values())
+            assert total <= len(leased) * self.d.hot_rows * (1 + 1e-9)
+            lo = min(self.d.hot_rows, max(self.cfg.top_k, self.d.step_rows))
+            assert all(lo * (1 - 1e-9) <= h <= K.HOT_ROWS_LIMIT for h in self.hot_alloc.values())
+            checks.append((len(leased), total))
+
+    sim = Checked(tiny(policy="coldest", hot_buffers="adaptive", duration_s=20.0))
+    r = sim.run()
+    assert r["hot_buffers"] == "adaptive" and r["requests_finished"] == r["requests_arrived"]
+    assert sim.manager.stats()["gpu_used"] == 0
+    assert any(n > 1 for n, _ in checks), checks  # regions were shared, not only leased one at a time
+    assert r["hit_rate"] is not None and r["hot_rows_read"] is not None
+    fixed = Simulation(tiny(policy="coldest", duration_s=20.0)).run()
+    assert fixed["hot_buffers"] == "fixed" and fixed["hot_rows_read"] == pytest.approx(derive(tiny()).hot_rows)
+    with pytest.raises(ConfigError, match="hot_buffers"):
+        derive(tiny(hot_buffers="grow"))
+
+
+def test_cli_hot_buffers_both_puts_four_variants_side_by_side(capsys):
+    parser = argparse.ArgumentParser(prog="hisparse")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--mode", "hisparse", "--policy", "both", "--hot-buffers", "both",
+                              "--concurrency", "2", "--duration", "3", "--json", "--no-progress"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {(p["policy"], p["hot_buffers"]) for p in out["points"]} == {
+        ("coldest", "fixed"), ("fifo", "fixed"), ("coldest", "adaptive"), ("fifo", "adaptive")}
+    (row,) = out["policy_comparison"]
+    assert set(row) == {"concurrency", "coldest", "fifo", "coldest/adaptive", "fifo/adaptive"}
+    assert set(out["modes"]) == {"hisparse/coldest", "hisparse/fifo", "hisparse/coldest/adaptive",
+                                 "hisparse/fifo/adaptive"}

@@ -20,7 +20,8 @@ number:
   offloaded).
 * Minimum host pool = ceil(min(max_seqs, GPU limit) * ceil(seq/64) * host_block
   / 2**30) GiB when min(max_seqs, GPU limit) > baseline, else 0.  Without an
-  explicit host pool the pool is that minimum, kept within [16, 4096] GiB.
+  explicit host pool the pool is that minimum, kept within [16, 4096] GiB; a
+  given pool above 4096 GiB is refused.
 * Totals multiply by DP.  Every per-replica number is also the per-GPU number:
   the sparse-MLA KV is replicated on every TP rank, so each GPU of a replica
   holds the KV of every request that replica runs.
@@ -478,6 +479,9 @@ def calculate(
         hot_rows = _require_int("hot_rows", hot_rows, 1)
     if host_gib is not None:
         host_gib = _require_gib("host_gib", host_gib)
+        if host_gib > HOST_POOL_MAX_GIB:
+            raise CalcError(f"a host pool of {host_gib:g} GiB per replica is beyond the calculator's range; use "
+                            f"--host-gib {HOST_POOL_MAX_GIB} or less")
     if kv_hbm_gib is not None:
         kv_hbm_gib = _require_gib("kv_hbm_gib", kv_hbm_gib)
     row = preset.row_bytes(kv_dtype) if mla_row_bytes is None else _require_int(
@@ -650,7 +654,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--retained-pages", type=nonnegative_int, default=DEFAULT_RETAINED_PAGES,
                    help=f"tail pages each group keeps on the GPU (default {DEFAULT_RETAINED_PAGES})")
     p.add_argument("--host-gib", type=gib, default=None,
-                   help="host pool per replica (default: the minimum, within [16, 4096])")
+                   help="host pool per replica, at most 4096 GiB (default: the minimum, within [16, 4096])")
     p.add_argument("--max-seqs", type=positive_int, default=DEFAULT_MAX_SEQS,
                    help=f"scheduler cap on running requests per replica (default {DEFAULT_MAX_SEQS})")
     p.add_argument("--kv-hbm-gib", type=gib, default=None,

@@ -11,7 +11,8 @@ Modes
               a request that comes back -- the next turn of a conversation, or a preempted request -- adopts
               its blocks still on the GPU and has every other host page restored whole before it runs.
               When a step cannot be backed the newest running request is preempted (vLLM's order).
-``hisparse``  Hybrid HiSparse: core policy ``fifo`` (what vLLM 0.33 does) or ``coldest``, 384 GiB HiSparse
+``hisparse``  Hybrid HiSparse: core policy ``coldest`` (the default: as many running requests as ``fifo``, 4-8%
+              fewer host-link bytes per token at concurrency 8-16) or ``fifo`` (what vLLM 0.33 does), 384 GiB HiSparse
               host pool for the sparse-MLA KV. The 128 GiB indexer OffloadingConnector pool is modeled as
               never binding (32 conversations of <= 86K tokens hold at most 7.6 GB of indexer keys).
               Selection heat comes from :mod:`hisparse.tools.locality`'s page model: every 32 steps each running
@@ -33,7 +34,13 @@ simulated)
     and its indexer keys, as in vLLM. Exact accounting (the real history length of each request) would need
     the core to count blocks held for it outside its pages, e.g. a per-request external block count.
   * Hot rows default to the blog's MTP sizing (q + 2) x top_k = 10,240 (vLLM's code default is (q + 1) x
-    top_k); ``--adaptive-hot-rows`` picks the largest buffer that lets all ``concurrency`` requests fit.
+    top_k); ``--adaptive-hot-rows`` picks one size for every request, the largest buffer that lets all
+    ``concurrency`` requests fit. ``--hot-buffers adaptive`` sizes each request's buffer instead: the core
+    still leases regions of one size (it knows no other), and every heat interval the rows of all leased
+    regions are shared among their holders in proportion to the rows each selected on its host-only pages per
+    decode step (the equal-marginal-gain split of the model's miss curve), each within [one step's selected
+    rows, 32,768]; the holders are read from the plans' hot-region updates. Same GPU blocks, same admission:
+    it measures what moving rows between requests buys, not what giving blocks back would.
   * Host page: MLA only (3,274,752 B) in hisparse mode, MLA + indexer (3,452,160 B) in offload mode.
 
 Workload (vLLM blog, OpenHands-style; every length a flag): ``concurrency`` users, whose first requests are
@@ -62,7 +69,9 @@ Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
     of its q + 1 consecutive positions' top-K, ~1.6 x top_k at q = 3), the LRU miss curve of a hot buffer over
     such steps, and per request the share ``f`` of a step's selection that lands on its host-only pages (from
     the request's page heat and its host-only pages as the plans' table updates leave them). A decode step
-    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers), ``s = f x union``. A prefill
+    misses ``Binomial(s, S(hot_rows / s))`` rows of 51,168 B (all 78 layers), ``s = f x union``, ``S`` the model's
+    curve over the request's history length (measured at 4K, 8K, ... 1M tokens and interpolated: a buffer that
+    holds most of a short history misses little; :func:`hisparse.tools.locality.context_miss_rate`). A prefill
     chunk of T tokens over host-only history reads ``top_k x (1 + (T - 1) x (1 - overlap)) x f`` rows capped
     at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
   * Restores at admission/resumption (tail pages, or every page for the offload baseline) and the indexer
@@ -75,7 +84,9 @@ Metrics: ``mean_running`` is the blog's metric, the mean of the non-zero samples
 (sampled per unit of simulated time; a request waiting for its restores is not yet running), over the
 simulated duration; ``null`` when no request finished (a request that never finishes is no success).
 Also per point: host-link bytes per output token, the GPU blocks by use (``gpu_blocks_breakdown``) and what
-held admission (``admission``), sampled every 8 steps; and ``policy_comparison``: coldest vs fifo. Output
+held admission (``admission``), sampled every 8 steps; and ``policy_comparison``: coldest vs fifo, with fixed and
+(``--hot-buffers both``) adaptive hot buffers, ``hot_rows_read`` (the rows of the buffers decode steps read) and
+``host_share`` (quantiles of the share of a tiered request's selections on its host-only pages). Output
 tokens/s, TTFT and ITL medians (ITL: time between consecutive output chunks of a request, one chunk per step),
 preemptions (not counting un-admissions), H2D GB (misses + restores + indexer-key loads), and the hot-buffer hit
 rate of decode steps (hits / (hits + misses) of the rows selected on host-only pages; ``null`` for offload).
@@ -117,6 +128,9 @@ GIB = 2**30
 NO_PROGRESS_PASSES = 50
 MODES = ("offload", "hisparse")
 TIER_POLICIES = ("coldest", "fifo")
+#: fixed: every request's hot buffer holds ``hot_rows``; adaptive: the rows of the hot regions the core leased are
+#: shared among their requests by what each one selects on its host-only pages (:meth:`Simulation._rebalance`).
+HOT_BUFFERS = ("fixed", "adaptive")
 
 
 # --------------------------------------------------------------------------- configuration
@@ -127,7 +141,7 @@ class SimConfig:
     """One simulated (mode, policy, concurrency) point. Defaults are the published benchmark."""
 
     mode: str = "hisparse"
-    policy: str = "fifo"  # offload mode always runs the core's "resident" policy
+    policy: str = "coldest"  # offload mode always runs the core's "resident" policy
     concurrency: int = 32
     duration_s: float = 1800.0
     max_steps: int | None = None
@@ -155,7 +169,8 @@ class SimConfig:
     accept_length: float = K.MTP_ACCEPT_LENGTH
     top_k: int = K.TOP_K
     hot_rows: int | None = None  # None: (q + 2) * top_k
-    adaptive_hot_rows: bool = False
+    adaptive_hot_rows: bool = False  # one size for every request: the largest that fits the concurrency
+    hot_buffers: str = "fixed"  # HOT_BUFFERS: per request, fixed at hot_rows or adaptive within the leased rows
     block_tokens: int = K.BLOCK_TOKENS
     tail_pages: int = K.TAIL_PAGES
     materialize_budget: int = K.MATERIALIZE_BUDGET
@@ -180,6 +195,8 @@ class SimConfig:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "hisparse" and self.policy not in TIER_POLICIES:
             raise ConfigError(f"hisparse mode needs policy coldest or fifo, got {self.policy!r}")
+        if self.hot_buffers not in HOT_BUFFERS:
+            raise ConfigError(f"hot_buffers must be one of {HOT_BUFFERS}, got {self.hot_buffers!r}")
         for name in ("concurrency", "turns", "first_turn_tokens", "output_tokens", "max_batched_tokens",
                      "max_num_seqs", "top_k", "block_tokens", "tail_pages"):
             if getattr(self, name) <= 0:
@@ -402,6 +419,8 @@ class _WorkerTables:
         self.heat = np.zeros((rows, pages), dtype=np.int32)
         self.host_only = np.zeros((rows, pages), dtype=bool)
         self.dirty: set[int] = set()  # rows whose host-only pages changed since the caller last looked
+        self.hot_held = np.zeros(rows, dtype=bool)  # rows the core leased a hot region (the plans' hot updates)
+        self.hot_changed = False  # a region was leased or returned since the caller last looked
 
     #: Words per entry of each section of an encoded plan (``StepPlan.to_bytes``; ``hisparse.datapath``'s
     #: ``_PlanSections`` reads the same layout): cleared rows, lengths, table updates, hot updates (2 + width),
@@ -423,6 +442,10 @@ class _WorkerTables:
         n_copies = len(spans["materialize"])
         longs = np.frombuffer(raw, dtype=np.int64, offset=4 * at) if len(raw) > 4 * at else np.zeros(0, np.int64)
         cleared = spans["cleared"][:, 0]
+        hot = spans["hot"]
+        if len(hot):
+            self.hot_held[hot[:, 0]] = hot[:, 1] > 0  # (row, blocks, block ids...): no blocks, no region
+            self.hot_changed = True
         if len(cleared):
             self.seq_lens[cleared] = 0
             self.row_request[cleared] = -1
@@ -463,8 +486,11 @@ class Simulation:
             num_index_groups=cfg.index_groups, tail_pages=cfg.tail_pages, watermark=d.watermark,
             policy=cfg.core_policy, materialize_budget=cfg.materialize_budget,
         )
-        key = f"{cfg.seed}/{cfg.mode}/{cfg.core_policy}/{cfg.concurrency}"
+        # Common random numbers: every mode and policy at one (seed, concurrency) draws from the same stream, so
+        # a difference between them is theirs, not the dice's (MTP acceptances, misses, the page heat's seed).
+        key = f"{cfg.seed}/{cfg.concurrency}"
         self.rng = random.Random(key)
+        heat_seed = self.rng.randrange(2**32)  # drawn in every mode: the streams stay aligned
         self.progress = progress
         # Per-step (time, running, waiting, prefilling, gpu_free, mixed + none, preempted) when a list is set.
         self.trace: list[tuple[float, int, int, int, int, int, int]] | None = None
@@ -480,9 +506,16 @@ class Simulation:
             self.tables = _WorkerTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_tokens), cfg.block_tokens)
             lp = locality.Params(top_k=cfg.top_k, sink_tokens=max(1, K.TOP_K_SINKS * cfg.top_k // K.TOP_K),
                                  window_tokens=max(1, locality.WINDOW_TOKENS * cfg.top_k // K.TOP_K))
-            self.page_heat = locality.PageHeat(lp, cfg.index_groups, cfg.block_tokens, seed=self.rng.randrange(2**32))
+            self.page_heat = locality.PageHeat(lp, cfg.index_groups, cfg.block_tokens, seed=heat_seed)
         self.rows: dict[int, int] = {}  # running request -> its state row
-        self.shares: dict[int, tuple[int, float, float]] = {}  # request -> (pages, host share, miss rate)
+        # request -> (pages, host share, hot rows, miss rate at them)
+        self.shares: dict[int, tuple[int, float, float, float]] = {}
+        # Adaptive hot buffers: each region holder's rows, and what it selected on host-only pages (rows, steps)
+        # since the last heat interval; its measured rows per step of the interval before.
+        self.adaptive = cfg.mode == "hisparse" and cfg.hot_buffers == "adaptive"
+        self.hot_alloc: dict[int, float] = {}
+        self.selected: dict[int, list[float]] = {}
+        self.demand: dict[int, float] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -586,6 +619,35 @@ class Simulation:
             tables.heat[row, :pages] += counts.astype(tables.np.int32)
             self.shares.pop(rid, None)
         self.manager.apply_results(heat=tables.summary(K.HEAT_COLDEST, K.HEAT_HOTTEST))
+        if self.adaptive:
+            for rid, (rows, n) in self.selected.items():
+                if n:
+                    self.demand[rid] = rows / n
+            self.selected.clear()
+            self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Adaptive hot buffers: the rows of every hot region the core has leased (``hot_rows`` each; the GPU
+        blocks stay the core's) are shared among their requests in proportion to the rows each selected on its
+        host-only pages per decode step over the last heat interval in which it decoded, each within [one step's
+        selected rows, 32,768]. The model's miss rate is a function of hot rows / selected rows alone, so equal
+        ratios equalize every request's marginal gain from a row: for a fixed total, the fewest misses. A request
+        not measured yet counts as the holders' mean. Prefill steps are not counted: as steps that select nothing
+        there, they would starve a request for the interval after its prefill, when it decodes."""
+        tables, d = self.tables, self.d
+        assert tables is not None
+        tables.hot_changed = False
+        holders = [rid for rid, row in self.rows.items() if tables.hot_held[row]]
+        self.hot_alloc = {}
+        if not holders:
+            return
+        measured = [self.demand[r] for r in holders if r in self.demand]
+        mean = statistics.fmean(measured) if measured else d.step_rows
+        demand = [self.demand.get(r, mean) for r in holders]
+        hi = float(max(d.hot_rows, K.HOT_ROWS_LIMIT))
+        lo = min(float(d.hot_rows), max(float(self.cfg.top_k), d.step_rows))
+        for rid, rows in zip(holders, share_rows(len(holders) * d.hot_rows, demand, lo, hi), strict=True):
+            self.hot_alloc[rid] = rows
 
     def _host_share(self, rid: int, info: dict[str, Any]) -> tuple[float, float]:
         """Share of a request's selected rows on its host-only pages, from the model's page heat, and the miss
@@ -598,16 +660,19 @@ class Simulation:
             tables.dirty.discard(row)
             self.shares.pop(rid, None)
         cached = self.shares.get(rid)
+        hot = self.hot_alloc.get(rid, self.d.hot_rows) if self.adaptive else self.d.hot_rows
         # A few new pages (one every ~18 decode steps) move the share little: recompute every SHARE_PAGES.
         if cached is not None and 0 <= pages - cached[0] < SHARE_PAGES:
-            return cached[1], cached[2]
-        if tables is None or heat is None or row is None:
+            if cached[2] == hot:
+                return cached[1], cached[3]
+            share = cached[1]
+        elif tables is None or heat is None or row is None:
             share = min(1.0, info["host_only_pages"] * self.cfg.block_tokens / max(1, info["seq_len"]))
         else:
             share = heat.host_share(rid, tables.host_only[row, :pages])
-        rows = self.d.step_rows * share
-        miss = self.profile.miss_rate(self.d.hot_rows / rows) if rows > 0 else 0.0
-        self.shares[rid] = (pages, share, miss)
+        top_k = self.cfg.top_k
+        miss = locality.context_miss_rate(self.cfg.speculative_tokens, hot / top_k, share, info["seq_len"] / top_k)
+        self.shares[rid] = (pages, share, hot, miss)
         return share, miss
 
     # ------------------------------------------------------------------ the loop
@@ -644,6 +709,8 @@ class Simulation:
         h2d = {"decode_miss": 0.0, "prefill_miss": 0.0, "restore": 0.0, "indexer": 0.0, "relief": 0.0}
         d2h_bytes = 0.0
         hits = misses = 0
+        hot_area = hot_weight = 0.0  # hot rows of the buffers decode steps read, weighted by their selected rows
+        share_bins = [0] * (SHARE_BINS + 1)  # decode steps over host-only history by the share f they select there
         max_running = 0
         mixed_area = 0.0
         breakdown: dict[str, float] = dict.fromkeys(("_time", *BREAKDOWN_KEYS, *LIMIT_KEYS), 0.0)
@@ -788,6 +855,8 @@ class Simulation:
                 self.tables.apply(plan)
                 if steps % K.HEAT_INTERVAL == 0:
                     self._report_heat()
+                elif self.adaptive and self.tables.hot_changed:
+                    self._rebalance()
             stats = m.stats()
             # Copies to the host planned by this step start with it and overlap the forward.
             ids = plan.transfer_ids
@@ -809,6 +878,9 @@ class Simulation:
                 if r.in_prefill:
                     flops += K.prefill_flops(n, r.computed)
                     prefill_tokens += n
+                if self.adaptive and not r.in_prefill:
+                    sel = self.selected.setdefault(r.rid, [0.0, 0])
+                    sel[1] += 1
                 if not tiered:
                     continue
                 info = m.request_info(r.rid)
@@ -825,6 +897,11 @@ class Simulation:
                     missed = self._binomial(rows, miss)
                     hits += int(round(rows)) - missed
                     misses += missed
+                    hot_area += rows * (self.hot_alloc.get(r.rid, d.hot_rows) if self.adaptive else d.hot_rows)
+                    share_bins[int(f * SHARE_BINS)] += 1
+                    hot_weight += rows
+                    if self.adaptive:
+                        self.selected[r.rid][0] += rows
                 wait_bytes += missed * d.mla_row_all_layers
                 h2d["prefill_miss" if r.in_prefill else "decode_miss"] += missed * d.mla_row_all_layers
             compute = cfg.decode_step_s
@@ -879,6 +956,8 @@ class Simulation:
                 m.finish(r.rid)
                 self.rows.pop(r.rid, None)
                 self.shares.pop(r.rid, None)
+                self.selected.pop(r.rid, None)
+                self.demand.pop(r.rid, None)
                 if self.page_heat is not None:
                     self.page_heat.forget(r.rid)
                 running.remove(r)
@@ -906,6 +985,7 @@ class Simulation:
         return {
             "mode": cfg.mode,
             "policy": cfg.core_policy,
+            "hot_buffers": cfg.hot_buffers if tiers else None,
             "concurrency": cfg.concurrency,
             # A request that never finished may have "run" for the whole point (restoring, or prefilling a
             # prompt the node cannot serve): with nothing finished no running count reads as success.
@@ -930,6 +1010,11 @@ class Simulation:
             "h2d_gb_by_kind": {k: v / 1e9 for k, v in h2d.items()},
             "d2h_gb": d2h_bytes / 1e9,
             "hot_rows": d.hot_rows,
+            # the rows of the hot buffers decode steps read (weighted by their rows on host-only pages)
+            "hot_rows_read": hot_area / hot_weight if hot_weight > 0 else None,
+            # the share of a decode step's selected rows on the request's host-only pages, over the decode steps
+            # of requests with host-only pages: how alike the tiered requests' needs are (quantiles, +-0.01)
+            "host_share": _quantiles(share_bins, (0.05, 0.5, 0.95)),
             "gpu_blocks": d.num_gpu_blocks,
             "steady_state_concurrency": final["steady_state_concurrency"],
             "final": {k: final[k] for k in ("gpu_used", "host_referenced", "host_cached", "running",
@@ -952,6 +1037,56 @@ BREAKDOWN_KEYS = ("prefill_pages", "resident_full", "resident_tails", "hot_rows"
 #: Admission (time-weighted): requests waiting; admitted requests waiting for their restores; the share of time
 #: the core refused the next waiting request; the share of time admission was held after a preemption.
 LIMIT_KEYS = ("waiting", "restoring", "refused_by_core", "held_after_preemption")
+
+
+def share_rows(total: float, demand: Sequence[float], lo: float, hi: float) -> list[float]:
+    """``total`` rows shared in proportion to ``demand``, each share within [lo, hi]: ``clamp(x * demand, lo,
+    hi)`` with the scale ``x`` that spends the total (bisection; a share held at a bound leaves the rest to the
+    others). ``len(demand) x lo <= total`` keeps every share >= lo; no demand at all shares evenly; rows that no
+    share can take (every one at hi) stay unspent."""
+    n = len(demand)
+    if n == 0:
+        return []
+    if not any(x > 0 for x in demand):
+        return [min(hi, max(lo, total / n))] * n
+
+    def spend(x: float) -> list[float]:
+        return [min(hi, max(lo, x * d)) for d in demand]
+
+    low, high = 0.0, 1.0
+    while sum(spend(high)) < total and high < 1e300:
+        if all(s >= hi for s, d in zip(spend(high), demand, strict=True) if d > 0):
+            return spend(high)
+        high *= 2.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        if sum(spend(mid)) <= total:
+            low = mid
+        else:
+            high = mid
+    return spend(low)
+
+
+#: Bins of the host share histogram (``host_share`` in a point).
+SHARE_BINS = 100
+
+
+def _quantiles(bins: Sequence[int], qs: Sequence[float]) -> dict[str, float] | None:
+    """Quantiles of a histogram of ``len(bins) - 1`` equal bins over [0, 1] (the last holds 1.0), each the
+    middle of its bin."""
+    total = sum(bins)
+    if total == 0:
+        return None
+    out = {}
+    width = 1.0 / (len(bins) - 1)
+    for q in qs:
+        seen = 0
+        for i, n in enumerate(bins):
+            seen += n
+            if seen >= q * total:
+                out[f"p{round(q * 100)}"] = round(min(1.0, (i + 0.5) * width), 3)
+                break
+    return out
 
 
 def _breakdown(acc: dict[str, float], keys: Sequence[str]) -> dict[str, float] | None:
@@ -981,6 +1116,7 @@ def _chain_probability(mean_len: float, q: int) -> float:
 def failed_point(cfg: SimConfig, why: str) -> dict[str, Any]:
     """A point that could not run (its pool holds no step, or it stopped making progress): no metric, the cause."""
     return {"mode": cfg.mode, "policy": cfg.core_policy, "concurrency": cfg.concurrency, "error": why,
+            "hot_buffers": cfg.hot_buffers if cfg.mode == "hisparse" else None,
             "mean_running": None, "output_tok_s": None, "ttft_s_p50": None, "itl_ms_p50": None, "preemptions": None,
             "h2d_gb": None, "hit_rate": None, "requests_finished": 0, "series": ([], [])}
 
@@ -998,7 +1134,7 @@ def run_points(configs: Sequence[SimConfig], progress: bool = False,
         if i in refused:
             points.append(failed_point(cfg, refused[i]))
             continue
-        label = f"{i + 1}/{n} {cfg.mode}/{cfg.core_policy} c={cfg.concurrency}"
+        label = f"{i + 1}/{n} {point_label(cfg.mode, cfg.core_policy, cfg.hot_buffers)} c={cfg.concurrency}"
 
         def tick(fraction: float, i: int = i, label: str = label) -> None:
             bar.update((i + fraction) / n, f"{label:<28} {fraction:4.0%}")
@@ -1025,12 +1161,15 @@ def model_fields(model: str) -> dict[str, int]:
 def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     modes = MODES if args.mode == "both" else (args.mode,)
     policies = TIER_POLICIES if args.policy == "both" else (args.policy,)
+    buffers = HOT_BUFFERS if args.hot_buffers == "both" else (args.hot_buffers,)
     configs = []
     for mode in modes:
-        for policy in (("resident",) if mode == "offload" else policies):
+        variants = [("resident", "fixed")] if mode == "offload" else [(p, b) for b in buffers for p in policies]
+        for policy, hot_buffers in variants:
             for c in args.concurrency:
                 configs.append(SimConfig(
-                    mode=mode, policy=policy, concurrency=c, duration_s=args.duration, max_steps=args.steps,
+                    mode=mode, policy=policy, hot_buffers=hot_buffers, concurrency=c, duration_s=args.duration,
+                    max_steps=args.steps,
                     seed=args.seed, kv_hbm_gib=args.kv_hbm_gib, hot_rows=args.hot_rows,
                     adaptive_hot_rows=args.adaptive_hot_rows, speculative_tokens=args.mtp,
                     accept_length=min(args.accept_length, args.mtp + 1.0) if args.mtp else 1.0,
@@ -1087,13 +1226,13 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
     notes = []
     for p in result["points"]:
         if p.get("error") or p["mean_running"] is None:
-            notes.append(f"  {p['mode']}/{p['policy']} c={p['concurrency']}: "
+            notes.append(f"  {p['mode']}/{_variant(p)} c={p['concurrency']}: "
                          + (p.get("error") or "no request finished: no metric is shown"))
-            rows.append((p["mode"], p["policy"], str(p["concurrency"]), *(["-"] * (len(head) - 4)),
+            rows.append((p["mode"], _variant(p), str(p["concurrency"]), *(["-"] * (len(head) - 4)),
                          str(p["requests_finished"])))
             continue
         rows.append((
-            p["mode"], p["policy"], str(p["concurrency"]), f"{p['mean_running']:.1f}", str(p["max_running"]),
+            p["mode"], _variant(p), str(p["concurrency"]), f"{p['mean_running']:.1f}", str(p["max_running"]),
             f"{p['mean_mixed']:.1f}", f"{p['output_tok_s']:.0f}",
             "-" if p["ttft_s_p50"] is None else f"{p['ttft_s_p50']:.2f}",
             "-" if p["itl_ms_p50"] is None else f"{p['itl_ms_p50']:.1f}",
@@ -1108,10 +1247,10 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
         lines.extend(notes)
     comparison = result.get("policy_comparison")
     if comparison:
-        lines.append("coldest vs fifo (hisparse): c, running, hit rate, host-link bytes per output token")
+        lines.append("hisparse side by side: c, running / hit rate / host-link bytes per output token")
         for row in comparison:
             cells = []
-            for pol in TIER_POLICIES:
+            for pol in (k for k in row if k != "concurrency"):
                 x = row[pol]
                 hit = "-" if x["hit_rate"] is None else f"{x['hit_rate']:.1%}"
                 bpt = "-" if x["h2d_mb_per_token"] is None else f"{x['h2d_mb_per_token']:.1f} MB"
@@ -1135,7 +1274,8 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
 
     conc = sorted({p["concurrency"] for p in points})
     fig, axes = plt.subplots(len(conc), 1, figsize=(11, 2.4 * len(conc)), sharex=True, squeeze=False)
-    colors = {"offload/resident": "tab:gray", "hisparse/fifo": "tab:blue", "hisparse/coldest": "tab:orange"}
+    colors = {"offload/resident": "tab:gray", "hisparse/fifo": "tab:blue", "hisparse/coldest": "tab:orange",
+              "hisparse/fifo/adaptive": "tab:cyan", "hisparse/coldest/adaptive": "tab:red"}
     for ax, c in zip(axes[:, 0], conc, strict=True):
         for mode, lo, hi in PUBLISHED_BANDS.get(c, ()):
             ax.axhspan(lo, hi, color="tab:green" if mode == "hisparse" else "tab:red", alpha=0.12, lw=0,
@@ -1145,7 +1285,7 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
                 continue
             ts, ns = p["series"]
             stride = max(1, len(ts) // 3000)
-            key = f"{p['mode']}/{p['policy']}"
+            key = point_label(p["mode"], p["policy"], p.get("hot_buffers"))
             mean = "no request finished" if p["mean_running"] is None else f"mean {p['mean_running']:.1f}"
             ax.step(ts[::stride], ns[::stride], where="post", lw=0.8, color=colors.get(key),
                     label=f"{key} ({mean})")
@@ -1209,7 +1349,12 @@ def add_parser(subparsers: Any) -> None:
     hot.add_argument("--hot-rows", metavar="N", type=positive_int, default=None,
                      help="hot rows per request (default (MTP + 2) x top_k = 10,240)")
     hot.add_argument("--adaptive-hot-rows", action="store_true",
-                     help="the largest hot buffer that lets every request of the concurrency run at steady state")
+                     help="one hot-buffer size for every request: the largest that lets every request of the "
+                          "concurrency run at steady state")
+    dep.add_argument("--hot-buffers", choices=(*HOT_BUFFERS, "both"), default="fixed",
+                     help="fixed (default): each request's hot buffer holds the hot rows; adaptive: the rows of the "
+                          "hot regions the core leased are shared by what each request selects on its host-only "
+                          "pages, every 32 steps; both: run each")
     dep.add_argument("--mtp", type=int_range(0, 7), default=K.SPECULATIVE_TOKENS, metavar="Q",
                      help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
     dep.add_argument("--accept-length", metavar="X", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
@@ -1223,21 +1368,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
+def _variant(p: dict[str, Any]) -> str:
+    """A point's policy, with ``/adaptive`` for adaptive hot buffers."""
+    return point_label(p["mode"], p["policy"], p.get("hot_buffers")).split("/", 1)[1]
+
+
+def point_label(mode: str, policy: str, hot_buffers: str | None) -> str:
+    """``mode/policy``, with ``/adaptive`` for adaptive hot buffers."""
+    label = f"{mode}/{policy}"
+    return f"{label}/adaptive" if mode == "hisparse" and hot_buffers == "adaptive" else label
+
+
 def policy_comparison(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """coldest and fifo side by side at each concurrency both ran: running, hit rate, host-link bytes per token."""
+    """The hisparse variants side by side at each concurrency at least two of them ran: ``coldest`` and ``fifo``
+    with fixed hot buffers, ``coldest/adaptive`` and ``fifo/adaptive`` with adaptive ones; running, hit rate,
+    host-link bytes per token, tokens/s and the hot rows decode steps read."""
     by: dict[int, dict[str, dict[str, Any]]] = {}
     for p in points:
         if p["mode"] == "hisparse" and p["policy"] in TIER_POLICIES:
-            by.setdefault(p["concurrency"], {})[p["policy"]] = p
+            label = point_label("hisparse", p["policy"], p.get("hot_buffers")).split("/", 1)[1]
+            by.setdefault(p["concurrency"], {})[label] = p
     rows = []
     for c, pols in sorted(by.items()):
-        if len(pols) < len(TIER_POLICIES):
+        if len(pols) < 2:
             continue
         row: dict[str, Any] = {"concurrency": c}
         for pol, p in pols.items():
             bpt = p.get("h2d_bytes_per_token")
             row[pol] = {"mean_running": p["mean_running"], "hit_rate": p["hit_rate"],
-                        "h2d_mb_per_token": None if bpt is None else bpt / 1e6, "output_tok_s": p["output_tok_s"]}
+                        "h2d_mb_per_token": None if bpt is None else bpt / 1e6, "output_tok_s": p["output_tok_s"],
+                        "hot_rows_read": p.get("hot_rows_read")}
         rows.append(row)
     return rows
 
@@ -1251,7 +1411,7 @@ def simulate(configs: Sequence[SimConfig], progress: bool = False, refused: dict
     modes: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         if i not in refused:
-            modes.setdefault(f"{cfg.mode}/{cfg.core_policy}", mode_details(cfg))
+            modes.setdefault(point_label(cfg.mode, cfg.core_policy, cfg.hot_buffers), mode_details(cfg))
     first = next(cfg for i, cfg in enumerate(configs) if i not in refused)
     return {
         "config": describe(first),
