@@ -230,18 +230,20 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
 
 
 def test_a_heat_summary_is_acted_on_over_several_steps():
-    """A summary's free-queue moves are made a bounded number per step (``heat_moves_per_step`` pages, each one
-    block per resident group), not all in the step that receives it; all of them get made."""
+    """A summary's free-queue moves are made a bounded number per step (``heat_moves_per_request`` pages per
+    request the coordinator tracks, each one block per resident group), not all in the step that receives it;
+    all of them get made."""
     setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra={"heat_interval": 8})
     coord = setup.scheduler.connector.coordinator
-    coord.heat_moves_per_step = budget = 8
+    coord.heat_moves_per_request = budget = 2
     per_step, left = [], []
     move = coord.move_heat
 
     def counted():
         before = coord.counters["moved_to_front"] + coord.counters["moved_to_back"]
+        tracked = max(1, len(coord.request_states))
         move()
-        per_step.append(coord.counters["moved_to_front"] + coord.counters["moved_to_back"] - before)
+        per_step.append((coord.counters["moved_to_front"] + coord.counters["moved_to_back"] - before) / tracked)
         left.append(sum(len(pages) for _, pages, _ in coord._heat_moves))
 
     coord.move_heat = counted
@@ -264,6 +266,7 @@ def test_coldest_orders_vllms_free_queue_by_heat():
                     extra={"heat_interval": 4, "heat_coldest": 16, "heat_hottest": 8})
     worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
     coord = setup.scheduler.connector.coordinator
+    coord.heat_moves_per_request = 10**6  # a summary's moves all made in its step: checked right after it
     pool = coord.gpu_pool
     summaries = {}
     ranks = {}  # request -> page -> (tier, rank in tier), from its last summary

@@ -53,7 +53,7 @@ makes vLLM's index-group leader runtimes count the top-K they resolve (inside th
 CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path's ranking, and sends the
 core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
 ``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does; the
-free-queue moves a summary asks for are made a bounded number per step (``HEAT_MOVES_PER_STEP``). The
+free-queue moves a summary asks for are made a bounded number per step (``HEAT_MOVES_PER_REQUEST``). The
 counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
 its GPU check (run by ``benches/gpu_check.sh``).
 

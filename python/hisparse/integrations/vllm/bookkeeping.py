@@ -122,6 +122,10 @@ class Bookkeeping(HiSparseCoordinator):
         block_size = self.resident_managers[0].block_size if self.resident_managers else 1
         self.rows = BlockRows(max(1, len(self.resident_managers)), block_size)
         self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
+        if self._recorder is not None:  # constants of publish_when_ready's test, read every step
+            host = self.host_manager
+            self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
+            self._hash_block_size = host.block_pool.hash_block_size
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
@@ -269,21 +273,17 @@ class Bookkeeping(HiSparseCoordinator):
         # Called for every request after every step. When the durable prefix publishes nothing new, records
         # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
         # publication cleared): skip the publication object and the host manager's call.
-        manager = self.host_manager
-        state = self.request_states.get(request.request_id) if manager is not None else None
-        if state is not None and self.resident_managers:
+        state = self.request_states.get(request.request_id)
+        if state is not None and self._recorder is not None:
+            manager = self.host_manager
             block_size = manager.block_size
-            num_pages = num_computed_tokens // block_size
             ready = state.ready_prefix_pages
-            if ready >= num_pages:
-                num_tokens = min(num_computed_tokens, ready * block_size)
-                hashed = len(request.block_hashes) * manager.block_pool.hash_block_size
-                cached = manager.num_cached_block.get(request.request_id, 0)
+            if ready >= num_computed_tokens // block_size:
+                num_pages = min(num_computed_tokens, ready * block_size) // block_size
                 host_blocks = manager.req_to_blocks.get(request.request_id)
-                recorded = not host_blocks or state.copies_recorded_blocks >= min(num_tokens // block_size,
-                                                                                   len(host_blocks))
-                if recorded and (not manager.kv_cache_spec.prefix_cacheable
-                                 or cached >= min(num_tokens, hashed) // block_size):
+                if (not host_blocks or state.copies_recorded_blocks >= min(num_pages, len(host_blocks))) and (
+                        not self._host_prefix_cacheable or manager.num_cached_block.get(request.request_id, 0)
+                        >= min(num_pages, len(request.block_hashes) * self._hash_block_size // block_size)):
                     state.publication = None
                     return
         super().publish_when_ready(request, num_computed_tokens, retention_interval,

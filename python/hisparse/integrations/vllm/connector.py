@@ -229,35 +229,44 @@ class HiSparseConnector(VllmHiSparseConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
         """vLLM's ``HiSparseConnectorScheduler.build_connector_meta`` (``connector.py:124``), the same calls in
-        the same order and the same metadata, with the coordinator's per-request scans replaced by ones that
-        touch only requests whose step changes something (``HisparseCoordinator``'s bookkeeping section)."""
+        the same order and the same metadata, with the coordinator's per-request scans replaced by the Rust
+        core's or by ones that touch only requests whose step changes something (``bookkeeping.py``)."""
         scheduler = self.connector_scheduler
         coordinator = scheduler.coordinator
         # HiSparse rebinds worker state every step: the load must run before the forward.
         scheduler_output.has_sync_kv_loads = True
-        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        new_reqs = scheduler_output.scheduled_new_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        scheduled = tuple((rid, computed[rid], count) for rid, count in scheduler_output.num_scheduled_tokens.items())
         requests = scheduler.requests
-        coordinator.advance_scheduled(coordinator.with_residency_work(
-            (rid, min(start + count, requests[rid].num_tokens)) for rid, start, count in scheduled))
+        lookahead = scheduler.draft_kv_lookahead
+        placeholders = scheduler.async_speculative  # rows of unverified drafts are rewritten: mirror them again
+        # One pass for every per-request view the calls below take: (request, first token, tokens scheduled),
+        # tokens computed after the step, and the rows to mirror.
+        scheduled, ends, windows = [], [], []
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            start, request = computed[rid], requests[rid]
+            scheduled.append((rid, start, count))
+            ends.append((rid, min(start + count, request.num_tokens)))
+            first = max(0, start - request.num_output_placeholders) if placeholders else start
+            windows.append((rid, first, count + start - first + lookahead))
+        coordinator.advance_scheduled(coordinator.with_residency_work(ends))
         command = coordinator.build_offload_command()
         host_block_copies = coordinator.take_host_block_copies()
         source_group = coordinator.host_group_id
-        source_block_ids = [block for r in scheduler_output.scheduled_new_reqs for block in r.block_ids[source_group]]
+        source_block_ids = [block for r in new_reqs for block in r.block_ids[source_group]]
         for new_block_ids in cached.new_block_ids:
             if new_block_ids is not None:
                 source_block_ids.extend(new_block_ids[source_group])
-        lookahead = scheduler.draft_kv_lookahead
-        windows = []
-        for rid, start, count in scheduled:
-            first = max(0, start - requests[rid].num_output_placeholders) if scheduler.async_speculative else start
-            windows.append((rid, first, count + start - first + lookahead))
         row_mirrors = coordinator.row_mirrors(windows)
-        started = [r.req_id for r in scheduler_output.scheduled_new_reqs]
-        started += [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
-        self._sync_imports.append(tuple(rid for rid in started if rid in coordinator._pending_imports))
+        imports = coordinator._pending_imports
+        started = ()
+        if imports:
+            resumed = cached.resumed_req_ids
+            started = tuple(rid for rid in [r.req_id for r in new_reqs] + [rid for rid in cached.req_ids
+                                                                           if rid in resumed] if rid in imports)
+        self._sync_imports.append(started)
         return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
                                          coordinator.all_context_pages_resident(scheduled),
                                          coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))

@@ -56,10 +56,11 @@ def longest_tokens(request) -> int | None:
 
 logger = logging.getLogger(__name__)
 
-#: Released pages a step moves in vLLM's free queue for heat (each page: one block per resident group). A
-#: summary lists up to 160 pages per request; moved at once, it made its step several times the median
-#: (``benches/vllm_step.py``); this many per step spread it over a few steps of a summary interval.
-HEAT_MOVES_PER_STEP = 1024
+#: Released pages a step moves in vLLM's free queue for heat, per running request (each page: one block per
+#: resident group). A summary lists up to 160 pages per request: moved at once, it made its step several times
+#: the median (``benches/vllm_step.py``). Per running request, so the moves stay a fixed share of a step whose
+#: own cost grows with the batch, and a whole summary is applied within 20 steps, less than its interval.
+HEAT_MOVES_PER_REQUEST = 8
 
 
 class HisparseCoordinator(Bookkeeping):
@@ -74,7 +75,7 @@ class HisparseCoordinator(Bookkeeping):
         self._deferred = False
         # The latest heat summary's free-queue moves not made yet: (request, pages, to the front), oldest first.
         self._heat_moves: deque[tuple[str, list[int], bool]] = deque()
-        self.heat_moves_per_step = HEAT_MOVES_PER_STEP
+        self.heat_moves_per_request = HEAT_MOVES_PER_REQUEST
         self._admission_pages = min((m.max_admission_blocks_per_request for m in self.resident_managers),
                                     default=0)
 
@@ -203,9 +204,12 @@ class HisparseCoordinator(Bookkeeping):
             self._heat_moves.append((request_id, list(back), False))
 
     def move_heat(self) -> None:
-        """Makes up to ``heat_moves_per_step`` of the queued free-queue moves (pages listed; each moves every
-        resident group's block), oldest first; a request finished or preempted since its summary is skipped."""
-        budget = self.heat_moves_per_step
+        """Makes up to ``heat_moves_per_request`` of the queued free-queue moves per running request (pages
+        listed; each moves every resident group's block), oldest first; a request finished or preempted since
+        its summary is skipped."""
+        if not self._heat_moves:
+            return
+        budget = self.heat_moves_per_request * max(1, len(self.request_states))
         while budget > 0 and self._heat_moves:
             request_id, pages, front = self._heat_moves.popleft()
             if len(pages) > budget:
