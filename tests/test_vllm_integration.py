@@ -122,6 +122,8 @@ def test_scenario5_what_crosses_processes_pickles():
     setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, async_scheduling=True, host_pool_gib=20,
                     extra={"heat_interval": 2})
     worker = H.FakeWorker(setup, layers=GROUP_LAYERS, tp=2, record=True)
+    # A summary every 2 steps: its moves all made before the next one supersedes them.
+    setup.scheduler.connector.coordinator.heat_moves_per_request = 10**6
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 12) for i in range(3)])
     from hisparse.integrations.vllm.connector import HisparseWorkerMetadata
     from hisparse.integrations.vllm.heat import HeatReport

@@ -168,6 +168,20 @@ impl BlockRows {
         }
     }
 
+    /// Every resident group's block of each page, page by page (`pages.len() x groups` ids, [`HOST_ONLY`]
+    /// for a page a group reads from the host or does not have).
+    pub fn blocks_at(&self, request: &str, pages: &[usize]) -> Vec<u32> {
+        let Some(rows) = self.requests.get(request) else {
+            return vec![HOST_ONLY; pages.len() * self.groups];
+        };
+        pages
+            .iter()
+            .flat_map(|&page| {
+                rows.resident.iter().map(move |b| b.ids.get(page).copied().unwrap_or(HOST_ONLY))
+            })
+            .collect()
+    }
+
     /// The spans of token rows `start .. start + count` of `request` to mirror to the host: each page's
     /// rows, when every resident group holds the page on the GPU and the host has a block for it (vLLM's
     /// `build_row_mirrors`: a page without either is skipped, its neighbours still mirrored).
@@ -243,6 +257,14 @@ mod tests {
         assert_eq!(pages, vec![30]);
         // Past a row's end: nothing, as for a page that has no block yet.
         assert!(rows.mirrors("a", 12, 4).is_empty());
+    }
+
+    #[test]
+    fn blocks_at_reads_every_group_page_by_page() {
+        let mut rows = rows();
+        rows.set_page("a", Row::Resident(1), 0, HOST_ONLY).unwrap();
+        assert_eq!(rows.blocks_at("a", &[2, 0, 5]), vec![12, 22, 10, HOST_ONLY, HOST_ONLY, HOST_ONLY]);
+        assert_eq!(rows.blocks_at("b", &[0]), vec![HOST_ONLY; 2]);
     }
 
     #[test]

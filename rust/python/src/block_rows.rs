@@ -83,6 +83,13 @@ impl BlockRows {
         self.with(|r| r.row(request, row(group)).iter().map(|&id| (id != HOST_ONLY).then_some(id)).collect())
     }
 
+    /// Every resident group's block of each page, page by page (``len(pages) x groups`` ids, ``None`` where a
+    /// group reads the page from the host or has no block for it).
+    fn blocks_at(&self, request: &str, pages: Vec<usize>) -> Vec<Option<u32>> {
+        let ids = self.with(|r| r.blocks_at(request, &pages));
+        ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
+    }
+
     /// For each ``(request, first token, tokens)``, the spans of its token rows to mirror to the host (the
     /// core's ``BlockRows::mirrors``), as instances of ``cls`` (vLLM's ``SparseKVRowMirror``, a dataclass of
     /// ``source_starts``, ``destination_start`` and ``num_rows``): a dict of request id to a tuple of them.

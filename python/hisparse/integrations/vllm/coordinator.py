@@ -59,8 +59,8 @@ logger = logging.getLogger(__name__)
 #: Released pages a step moves in vLLM's free queue for heat, per running request (each page: one block per
 #: resident group). A summary lists up to 160 pages per request: moved at once, it made its step several times
 #: the median (``benches/vllm_step.py``). Per running request, so the moves stay a fixed share of a step whose
-#: own cost grows with the batch, and a whole summary is applied within 20 steps, less than its interval.
-HEAT_MOVES_PER_REQUEST = 8
+#: own cost grows with the batch; a summary's moves not made when the next summary comes are superseded by it.
+HEAT_MOVES_PER_REQUEST = 4
 
 
 class HisparseCoordinator(Bookkeeping):
@@ -68,6 +68,9 @@ class HisparseCoordinator(Bookkeeping):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
+            # _move_released finds every group's blocks in one pool's free queue (vLLM's layout has one).
+            raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
         self.order = PoolPolicy()
         self.blocks_per_page = len(self.resident_managers)
         self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
@@ -229,14 +232,12 @@ class HisparseCoordinator(Bookkeeping):
         stays where it is; the reuse watcher ``unpin_blocks`` registered stays, so reuse is still noticed."""
         if not pages:
             return
-        queue = self.gpu_pool.free_block_queue
+        queue, blocks = self.gpu_pool.free_block_queue, self.gpu_pool.blocks  # every resident group's pool
         moved = []
-        for page_idx in pages:
-            for manager in self.resident_managers:
-                block = manager.get_resident_page(request_id, page_idx)
-                if block is not None and block.ref_cnt == 0 and block.prev_free_block is not None:
-                    queue.remove(block)
-                    moved.append(block)
+        for block_id in self.rows.blocks_at(request_id, pages):
+            if block_id is not None and (block := blocks[block_id]).ref_cnt == 0 and block.prev_free_block is not None:
+                queue.remove(block)
+                moved.append(block)
         # remove() and the insert below each count the block once: the pool's free count is unchanged.
         if front:
             queue.prepend_n(moved)
