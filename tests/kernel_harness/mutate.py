@@ -73,8 +73,6 @@ SEMANTIC = [
      "resolve checks the first window of hot blocks only"),
     ("resolve.cu", "host_block >= host_blocks ? HS_BAD_TABLE", "host_block > host_blocks ? HS_BAD_TABLE",
      "resolve takes host block == host_blocks"),
-    ("common.cuh", "if (s >= (u32)H) {\n      bad = true;", "if (s > (u32)H) {\n      bad = true;",
-     "the LRU permutation check (resolve, invalidate) takes entry == H"),
     # A window of the windowed path that takes one position too many (the first of the next window).
     ("resolve.cu", "(u32)pos - w < window) atomicMin", "(u32)pos - w <= window) atomicMin",
      "windowed first occurrences record position == window end"),
