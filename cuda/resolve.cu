@@ -15,6 +15,10 @@
 // The value half of a table entry that maps a position of U to its index in U (other values are request
 // indices, below 2^31).
 #define U_BIT 0x80000000u
+// The short path's marks (requests of at most FAST_ROUNDS * ELEMENT_RUN * blockDim elements, so request indices
+// below 2^30): a position of U holds U_BIT | q_first until a slot claims it (U_BIT | CLAIM_BIT | slot).
+#define CLAIM_BIT 0x40000000u
+#define FAST_ROUNDS 8
 
 // Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
 // by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
@@ -271,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left, s_u;
   __shared__ i64 s_clock;
   __shared__ u64 s_prefix;
   __shared__ u32 s_hist[256];  // phase C's radix digits
@@ -327,6 +331,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     s_claimed = 0;
     s_full = 0;
     s_hits = 0;
+    s_u = 0;
     s_dup = 0;
     s_host = 0;
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
@@ -365,10 +370,53 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   __syncthreads();
 
   int n = 0;  // |U|
-  if (!s_full) {
+  const int count = n_rows * K;
+  // The short path: the hash table, hot blocks checked pair by pair, a selection of at most FAST_ROUNDS rounds.
+  // U is not compacted unless something misses: phase A marks U's positions in the table (U_BIT | q_first) and
+  // counts them, each thread keeping which of its elements are first occurrences of U (bit round * ELEMENT_RUN + u
+  // of firsts); phase B claims each hit's mark for its slot, in the checks' interval. A request that hits
+  // everything then writes its row ids and stamps at once (phase E); one that misses compacts U (phase A2) and
+  // goes on as the long path does.
+  const bool fast = !s_full && HB <= HB_PAIRWISE && count <= FAST_ROUNDS * ELEMENT_RUN * nt;
+  u32 firsts = 0;
+  // Calls f(q, gi, u_bit, active) for this thread's elements in the short path's order: ELEMENT_RUN consecutive
+  // ones a round (every thread ELEMENT_RUN calls a round, active false past the end, so that f may use warp
+  // collectives); u_bit is the element's bit in firsts.
+  auto for_each_run = [&](auto f) {
+    for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
+      const int q0 = r0 + tid * ELEMENT_RUN;
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        const int q = q0 + u;
+        const bool active = q < count;
+        const u32 gi = active ? (u32)rows[q / K] * (u32)K + (u32)(q % K) : 0u;
+        f((u32)q, gi, 1u << (round * ELEMENT_RUN + u), active);
+      }
+    }
+  };
+  if (fast) {
+    int marked = 0;
+    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
+      const int pos = position(gi, active);
+      const u32 h = pos >= 0 ? table_find(tab, cap, pos) : HS_NONE;
+      const bool first = h != HS_NONE && (u32)tab[h] == q;
+      add_heat(heat_row, first ? pos / bs : -1);
+      const int block = first ? block_of(pos) : 1;
+      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+      if (block == 0) {  // later elements of the position compare their own q, which U_BIT | q never equals
+        tab[h] = table_entry(pos, U_BIT | q);
+        firsts |= u_bit;
+        ++marked;
+      }
+    });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) marked += __shfl_xor_sync(HS_FULL_MASK, marked, o);
+    if ((tid & 31) == 0 && marked > 0) atomicAdd(&s_u, marked);
+    __syncthreads();  // U's marks and count are complete
+    n = s_u;
+  } else if (!s_full) {
     // Each thread takes ELEMENT_RUN consecutive elements per round, so one scan orders a round of
     // ELEMENT_RUN * blockDim elements (a decode row of K = 2048 takes one round).
-    const int count = n_rows * K;
     for (int r0 = 0; r0 < count; r0 += ELEMENT_RUN * nt) {
       const int q0 = r0 + tid * ELEMENT_RUN;
       int u_pos_of[ELEMENT_RUN];
@@ -472,7 +520,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Checks 1-2 of SPEC step 4: overflow; the hot blocks in range and distinct (pair by pair up to HB_PAIRWISE
   // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
   // 64 * cap ids: one window unless the slab has more blocks). Nothing reads U's entries or the table's U marks
-  // before the barrier below; a request that stops here reads none.
+  // before the barrier below; a request that stops here reads none. The short path's phase B runs before that
+  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT.
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
@@ -510,8 +559,24 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         mark_window(w);
       }
     }
+    if (fast) {
+      int hits = 0;
+      for_each_loaded<3>(hp, H, [&](int s, int pos) {
+        const u32 h = pos >= 0 ? table_find(tab, cap, pos) : HS_NONE;
+        if (h == HS_NONE) return;
+        const u64 mark = tab[h];
+        if (!((u32)mark & U_BIT)) return;  // a position outside U
+        if (!((u32)mark & CLAIM_BIT) && atomicCAS(&tab[h], mark, table_entry(pos, U_BIT | CLAIM_BIT | s)) == mark) {
+          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          ++hits;
+        } else {
+          bad = true;  // a second slot holds the position
+        }
+      });
+      if (hits > 0) atomicAdd(&s_hits, hits);
+    }
     // Also orders phase A's entries and table marks before phase B's lookups (and, past HB_PAIRWISE, the bitmap's
-    // last reads before tab is rebuilt).
+    // last reads before tab is rebuilt); on the short path, phase B's claims and hit count before what follows.
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
@@ -520,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // slot holding it is corrupt state (check 3). Phase A's table maps U already unless it gave way to windows or to
   // the hot-block bitmap.
   int n_miss = 0;
-  if (ok) {
+  if (ok && !fast) {
     with_u_map(s_full || HB > HB_PAIRWISE, true, [&](auto find) {
       int hits = 0;
       // Runs of 3: with 4 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
@@ -539,7 +604,32 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     ok = !s_dup;
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
-  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: with_u_map's barrier.)
+  // The short path: done when everything hit; else phase A2 compacts U (in request order, a scan a round) into the
+  // entries as the long path's phase A does, each entry with its hit's slot, and makes the table map U to it.
+  const bool done = fast && ok && s_hits == n;
+  if (fast && ok && !done) {
+    int t0 = 0;
+    for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
+      const u32 mine = (firsts >> (round * ELEMENT_RUN)) & ((1u << ELEMENT_RUN) - 1);
+      int total;
+      int t = t0 + block_exclusive_scan(__popc(mine), &total, warp_sums);
+      const int q0 = r0 + tid * ELEMENT_RUN;
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        if (!((mine >> u) & 1)) continue;
+        const int q = q0 + u;
+        const int pos = position((u32)rows[q / K] * (u32)K + (u32)(q % K), true);
+        const u32 h = table_find(tab, cap, pos);
+        const u32 mark = (u32)tab[h];
+        entry(t)[0] = u_word(pos, mark & CLAIM_BIT ? mark & ~(U_BIT | CLAIM_BIT) : HS_NONE);
+        ((u32*)entry(t))[2] = (u32)q;
+        tab[h] = table_entry(pos, U_BIT | (u32)t);
+        ++t;
+      }
+      t0 += total;
+    }
+    __syncthreads();  // the entries and the table's map of U are complete
+  }
+  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: phase B's barrier.)
   if (ok) n_miss = n - s_hits;
   if (ok && n_miss > 0) {
     int flags = 0;
@@ -555,7 +645,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (!ok && tid == 0) s_status |= s_host;
   }
 
-  if (ok) {
+  if (ok && !done) {
     const i64 clock = s_clock + 1;  // this step's (the region's clock after it)
     // Phase C, the LRU: E[0 .. |M|), the |M| oldest slots that hold no hit (select_oldest), to the high halves of
     // the entries' word 1; out's entries of the request list the slots it ranks. Nothing without misses.
@@ -589,13 +679,31 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   }
 
   // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
-  for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
-    if (!active) return;
-    const int pos = position(gi, true);
-    const int block = pos >= 0 ? block_of(pos) : -1;
-    out[gi] = block > 0 ? block * bs + pos % bs : -1;
-  });
-  if (ok) {
+  if (done) {
+    // The short path, everything hit: every element's row id, and each position's first occurrence stamps its
+    // slot (the claim in its mark) with this step's clock and its own request index.
+    const i64 clock = s_clock + 1;
+    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
+      if (!active) return;
+      const int pos = position(gi, true);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      int row = block > 0 ? block * bs + pos % bs : -1;
+      if (block == 0) {
+        const u32 slot = table_value(tab, cap, pos) & ~(U_BIT | CLAIM_BIT);
+        row = hot_row(slot);
+        if (firsts & u_bit) hs[slot] = make_stamp(clock, q);
+      }
+      out[gi] = row;
+    });
+  } else {
+    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+      if (!active) return;
+      const int pos = position(gi, true);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      out[gi] = block > 0 ? block * bs + pos % bs : -1;
+    });
+  }
+  if (ok && !done) {
     // Phase F below rewrites the entries this reads: only then must every lookup be done first.
     with_u_map(false, n_miss > 0, [&](auto find) {
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
