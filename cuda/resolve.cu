@@ -114,8 +114,11 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // The `count` (>= 1) oldest slots of stamps[0 .. H) whose bit in `hit` is clear, by ascending (stamp, slot): E[k]
 // goes to put(k, slot), k < count, and every put is complete block-wide on return. Three steps, each exact for any
 // stamps (every i64 is a legal stamp):
-//   1. radix select of T, the count-th smallest key among those slots: 8 digits of 8 bits, most significant
-//      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words);
+//   1. radix select of T, the count-th smallest key among those slots: digits of 8 bits, most significant
+//      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words). The
+//      digits above the highest bit in which the slots' smallest and largest keys differ are theirs (s_range:
+//      {all ones, 0} on entry, complete block-wide before the caller's last barrier), so the select starts
+//      there: a region's stamps span a few clocks, some 40 bits, not 64;
 //   2. one pass in slot order: the slots below T in a list (list(c) = slot c, the caller's scratch of count
 //      entries), the first `left` slots at T (ties by slot) are E[count - left ..) in slot order;
 //   3. the slots below T ranked among themselves, pair by pair: (count - left)^2 compares over the block, zero
@@ -123,13 +126,27 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // Every thread of the block must call it.
 template <class List, class Put>
 __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int count, u32* hist, int* warp_sums,
-                              u64* s_prefix, int* s_left, List list, Put put) {
+                              u64* s_range, u64* s_prefix, int* s_left, List list, Put put) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   const int lane = tid & 31;
-  u64 prefix = 0;  // T's digits found so far
+  u64 lo = ~0ull, hi = 0;
+  for (int s = tid; s < H; s += nt) {
+    if (test_bit(hit, (u32)s)) continue;
+    const u64 key = stamp_key(stamps[s]);
+    lo = min(lo, key);
+    hi = max(hi, key);
+  }
+  atomicMin(&s_range[0], lo);
+  atomicMax(&s_range[1], hi);
+  __syncthreads();  // the range is complete
+  lo = s_range[0];
+  hi = s_range[1];
+  const int top = lo == hi ? -1 : 63 - __clzll((i64)(lo ^ hi));  // the highest bit in which keys differ
+  const int first_shift = top < 0 ? -8 : top / 8 * 8;
+  u64 prefix = first_shift >= 56 ? 0 : lo & (~0ull << (first_shift + 8));  // T's digits found so far
   int left = count;  // T is the left-th smallest key among the slots whose high digits equal prefix's
-  for (int shift = 56; shift >= 0; shift -= 8) {
+  for (int shift = first_shift; shift >= 0; shift -= 8) {
     for (int k = tid; k < 256; k += nt) hist[k] = 0;
     __syncthreads();  // hist is clear (and the last digit's s_prefix / s_left read)
     const u64 high = shift == 56 ? 0 : ~0ull << (shift + 8);
@@ -199,16 +216,21 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
     return;
   }
   __syncthreads();  // the list is complete
-  // Step 3: the list is in slot order, so among equal stamps the earlier entry is the smaller slot.
-  for (int c = tid; c < less; c += nt) {
-    const u32 s = list(c);
-    const u64 key = stamp_key(stamps[s]);
+  // Step 3: the list is in slot order, so among equal stamps the earlier entry is the smaller slot. A warp takes 32
+  // entries and compares them with 32 others at a time, one load a lane and 32 shuffles (loops uniform per warp).
+  for (int c0 = tid - lane; c0 < less; c0 += nt) {
+    const int c = c0 + lane;
+    const u32 s = c < less ? (u32)list(c) : 0u;
+    const u64 key = c < less ? stamp_key(stamps[s]) : 0;
     int rank = 0;
-    for (int j = 0; j < less; ++j) {
-      const u64 other = stamp_key(stamps[list(j)]);
-      rank += other < key || (other == key && j < c);
+    for (int j0 = 0; j0 < less; j0 += 32) {
+      const u64 mine = j0 + lane < less ? stamp_key(stamps[list(j0 + lane)]) : 0;
+      for (int b = 0; b < 32 && j0 + b < less; ++b) {
+        const u64 other = __shfl_sync(HS_FULL_MASK, mine, b);
+        rank += other < key || (other == key && j0 + b < c);
+      }
     }
-    put(rank, s);
+    if (c < less) put(rank, s);
   }
   __syncthreads();  // the puts are complete
 }
@@ -277,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   __shared__ int warp_sums[32];
   __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left, s_u;
   __shared__ i64 s_clock;
-  __shared__ u64 s_prefix;
+  __shared__ u64 s_prefix, s_range[2];
   __shared__ u32 s_hist[256];  // phase C's radix digits
 
   u64* tab = smem;
@@ -332,6 +354,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     s_full = 0;
     s_hits = 0;
     s_u = 0;
+    s_range[0] = ~0ull;  // phase C's smallest and largest key
+    s_range[1] = 0;
     s_dup = 0;
     s_host = 0;
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
@@ -612,7 +636,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
       const u32 mine = (firsts >> (round * ELEMENT_RUN)) & ((1u << ELEMENT_RUN) - 1);
       int total;
-      int t = t0 + block_exclusive_scan(__popc(mine), &total, warp_sums);
+      // The last round's scan leaves out its last barrier: the one after the loop serves.
+      int t = t0 + block_exclusive_scan(__popc(mine), &total, warp_sums, r0 + ELEMENT_RUN * nt < count);
       const int q0 = r0 + tid * ELEMENT_RUN;
       for (int u = 0; u < ELEMENT_RUN; ++u) {
         if (!((mine >> u) & 1)) continue;
@@ -651,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // the entries' word 1; out's entries of the request list the slots it ranks. Nothing without misses.
     if (n_miss > 0) {
       select_oldest(
-          hs, H, bits, n_miss, s_hist, warp_sums, &s_prefix, &s_left,
+          hs, H, bits, n_miss, s_hist, warp_sums, s_range, &s_prefix, &s_left,
           [&](int c) -> int& { return out[(u32)rows[c / K] * (u32)K + (u32)(c % K)]; },
           [&](int m, u32 s) { ((u32*)entry((u32)m))[3] = s; });
     }
