@@ -275,12 +275,14 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 //   u32 bits[ceil(H / 32)]    slots that hold a hit (phase B)
 // A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
 // windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, first request
-// indices, E) lives in the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and in windowed
-// phase A the request's entries of `out` mark U's members (and on the miss path list the slots phase C ranks).
+// indices, E) lives in the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and the
+// request's entries of `out` serve as scratch before phase E writes them: in windowed phase A they mark U's
+// members, in phase C they list the slots it ranks.
 //
-// A step without misses writes the stamps of U's slots and nothing else of the hot state: no LRU pass, no plan,
-// no copies. Its barriers (one request row, hash path): phase A's first (which also counts the request's rows),
-// its table's, its scan's two, the checks', and phase B's: six.
+// A step without misses on the short path (below) writes its row ids, its heat and the stamps of U's slots, and
+// nothing else: no scan of U, no entries, no LRU pass, no plan, no copies. Its barriers (one request row): phase
+// A's first (which also counts the request's rows), its table's, its marks', and the checks' (which phase B
+// shares): four; a request that selects nothing outside the resident pages skips the last.
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
@@ -654,6 +656,23 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
     __syncthreads();  // the entries and the table's map of U are complete
   }
+  if (done) {
+    // The short path, everything hit: every element's row id, and each position's first occurrence stamps its
+    // slot (the claim in its mark) with this step's clock and its own request index.
+    const i64 clock = s_clock + 1;
+    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
+      if (!active) return;
+      const int pos = position(gi, true);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      int row = block > 0 ? block * bs + pos % bs : -1;
+      if (block == 0) {
+        const u32 slot = table_value(tab, cap, pos) & ~(U_BIT | CLAIM_BIT);
+        row = hot_row(slot);
+        if (firsts & u_bit) hs[slot] = make_stamp(clock, q);
+      }
+      out[gi] = row;
+    });
+  }
   // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: phase B's barrier.)
   if (ok) n_miss = n - s_hits;
   if (ok && n_miss > 0) {
@@ -704,23 +723,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   }
 
   // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
-  if (done) {
-    // The short path, everything hit: every element's row id, and each position's first occurrence stamps its
-    // slot (the claim in its mark) with this step's clock and its own request index.
-    const i64 clock = s_clock + 1;
-    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
-      if (!active) return;
-      const int pos = position(gi, true);
-      const int block = pos >= 0 ? block_of(pos) : -1;
-      int row = block > 0 ? block * bs + pos % bs : -1;
-      if (block == 0) {
-        const u32 slot = table_value(tab, cap, pos) & ~(U_BIT | CLAIM_BIT);
-        row = hot_row(slot);
-        if (firsts & u_bit) hs[slot] = make_stamp(clock, q);
-      }
-      out[gi] = row;
-    });
-  } else {
+  if (!done) {
     for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
       if (!active) return;
       const int pos = position(gi, true);
