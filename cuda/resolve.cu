@@ -112,7 +112,8 @@ __device__ __forceinline__ i64 make_stamp(i64 clock, u32 q_first) { return (i64)
 __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull << 63); }
 
 // The `count` (>= 1) oldest slots of stamps[0 .. H) whose bit in `hit` is clear, by ascending (stamp, slot): E[k]
-// goes to put(k, slot), k < count, and every put is complete block-wide on return. Three steps, each exact for any
+// goes to put(k, slot), k < count; the puts are complete block-wide after the caller's next barrier (phase D's
+// first scan; nothing reads them before it, so a barrier here would only cost). Three steps, each exact for any
 // stamps (every i64 is a legal stamp):
 //   1. radix select of T, the count-th smallest key among those slots: digits of 8 bits, most significant
 //      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words). The
@@ -211,10 +212,7 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
     less_base += total & 0xffff;
     tie_base += total >> 16;
   }
-  if (less == 0) {
-    __syncthreads();  // the puts are complete
-    return;
-  }
+  if (less == 0) return;
   __syncthreads();  // the list is complete
   // Step 3: the list is in slot order, so among equal stamps the earlier entry is the smaller slot. A warp takes 32
   // entries and compares them with 32 others at a time, one load a lane and 32 shuffles (loops uniform per warp).
@@ -232,7 +230,6 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
     }
     if (c < less) put(rank, s);
   }
-  __syncthreads();  // the puts are complete
 }
 
 // heat_row[page] += 1 for every lane whose page is >= 0, with one atomic per distinct page of the warp: a
@@ -700,9 +697,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
           [&](int m, u32 s) { ((u32*)entry((u32)m))[3] = s; });
     }
 
-    // Phase D: U in order. Miss m takes slot E[m] and its position; every slot of U gets this step's stamp with
-    // its position's first request index (word 1's low half). Without misses every slot of U is known and holds
-    // its position already: no scan, and nothing after this reads what it writes.
+    // Phase D: U in order (block_runs' first scan completes phase C's puts). Miss m takes slot E[m] and its
+    // position; every slot of U gets this step's stamp with its position's first request index (word 1's low
+    // half). Without misses every slot of U is known and holds its position already: no scan, and nothing after
+    // this reads what it writes.
     if (n_miss > 0) {
       block_runs<u64, 4>(
           n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
