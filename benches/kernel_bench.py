@@ -45,7 +45,7 @@ TARGET_CASE = (2 * TOP_K, 100, 0.2)  # 41,000 misses
 FIRST = [TARGET_CASE, *((h, 128, 0.0) for h in HOT_ROWS), (2 * TOP_K, 128, 1.0)]
 CASES = FIRST + [c for c in ((h, b, m) for h in HOT_ROWS for b in BATCHES for m in MISS_RATES) if c not in FIRST]
 QUICK = FIRST + [(2 * TOP_K, 1, 0.0), (2 * TOP_K, 1, 0.2)]
-MUTABLE = ("hot_pos", "hot_lru", "heat", "status", "counters")
+MUTABLE = ("hot_pos", "hot_stamp", "hot_clock", "heat", "status", "counters")
 SLEEP_US = 3000  # device sleep before each timed call: far longer than a graph launch or a copy call takes
 TARGETS = {"hit_only_resolve_us": 10.0, "misses_41000_us": 400.0, "miss_copy_vs_bulk": 0.8}
 
@@ -57,13 +57,13 @@ def build(hot_rows: int, batch: int, miss_rate: float, host_pool: torch.Tensor, 
     hot_blocks_per_request = -(-hot_rows // BLOCK_SIZE)
     misses = round(miss_rate * TOP_K)
     hot_pos = torch.empty(batch, 1, hot_rows, dtype=torch.int32, device=dev)
-    hot_lru = torch.empty_like(hot_pos)
+    hot_stamp = torch.empty(batch, 1, hot_rows, dtype=torch.int64, device=dev)
     topk = torch.empty(batch, TOP_K, dtype=torch.int32, device=dev)
     for r in range(batch):
         order = torch.randperm(SEQ_LEN, generator=gen, device=dev).int()
         cached, absent = order[:hot_rows], order[hot_rows:]
         hot_pos[r, 0] = cached
-        hot_lru[r, 0] = torch.randperm(hot_rows, generator=gen, device=dev).int()
+        hot_stamp[r, 0] = torch.randperm(hot_rows, generator=gen, device=dev)  # distinct stamps in random order
         chosen = torch.cat([cached[: TOP_K - misses], absent[:misses]])
         topk[r] = chosen[torch.randperm(TOP_K, generator=gen, device=dev)]
     pages_all = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
@@ -76,7 +76,8 @@ def build(hot_rows: int, batch: int, miss_rate: float, host_pool: torch.Tensor, 
         "host_table": pages_all % HOST_BLOCKS,
         "hot_blocks": 1 + torch.arange(batch * hot_blocks_per_request, dtype=torch.int32, device=dev).view(batch, -1),
         "hot_pos": hot_pos,
-        "hot_lru": hot_lru,
+        "hot_stamp": hot_stamp,
+        "hot_clock": torch.zeros(batch, 1, dtype=torch.int64, device=dev),
         "heat": torch.zeros(batch, pages, dtype=torch.int32, device=dev),
         "status": torch.zeros(batch, dtype=torch.int32, device=dev),
         "counters": torch.zeros(3, dtype=torch.int64, device=dev),

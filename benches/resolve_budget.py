@@ -73,13 +73,13 @@ def make_case(*, hot_rows: int, miss_rate: float, batch: int, seed: int, seq_len
     hb = -(-hot_rows // BLOCK_SIZE)
     misses = round(miss_rate * TOP_K)
     hot_pos = torch.empty(batch, 1, hot_rows, dtype=torch.int32)
-    hot_lru = torch.empty_like(hot_pos)
+    hot_stamp = torch.empty(batch, 1, hot_rows, dtype=torch.int64)
     topk = torch.empty(batch, TOP_K, dtype=torch.int32)
     for r in range(batch):
         order = torch.randperm(seq_len, generator=gen).int()
         cached, absent = order[:hot_rows], order[hot_rows:]
         hot_pos[r, 0] = cached
-        hot_lru[r, 0] = torch.randperm(hot_rows, generator=gen).int()
+        hot_stamp[r, 0] = torch.randperm(hot_rows, generator=gen)  # distinct stamps in random order
         chosen = torch.cat([cached[: TOP_K - misses], absent[:misses]])
         topk[r] = chosen[torch.randperm(TOP_K, generator=gen)]
     hot_blocks = 1 + torch.arange(batch * hb, dtype=torch.int32).view(batch, hb)
@@ -96,7 +96,8 @@ def make_case(*, hot_rows: int, miss_rate: float, batch: int, seed: int, seq_len
         "host_table": torch.arange(batch * pages, dtype=torch.int32).view(batch, pages) % HOST_BLOCKS,
         "hot_blocks": hot_blocks,
         "hot_pos": hot_pos,
-        "hot_lru": hot_lru,
+        "hot_stamp": hot_stamp,
+        "hot_clock": torch.zeros(batch, 1, dtype=torch.int64),
         "heat": torch.zeros(batch, pages, dtype=torch.int32),
         "status": torch.zeros(batch, dtype=torch.int32),
         "counters": torch.zeros(3, dtype=torch.int64),

@@ -81,23 +81,6 @@ __device__ __forceinline__ void for_each_loaded(const int* src, int count, F f) 
   }
 }
 
-// Sets bit s of `seen` for every entry s of lru[0 .. H) this thread visits; returns true when one of them is
-// out of range or was already set. A block-wide OR of the results is false exactly when lru is a permutation
-// of 0 .. H-1. `seen` (ceil(H / 32) words) must be clear, block-wide, before the call.
-__device__ __forceinline__ bool mark_slots(const int* lru, int H, u32* seen) {
-  bool bad = false;
-  for_each_loaded(lru, H, [&](int, int entry) {
-    const u32 s = (u32)entry;
-    if (s >= (u32)H) {
-      bad = true;
-    } else {
-      const u32 m = 1u << (s & 31);
-      bad |= (atomicOr(&seen[s >> 5], m) & m) != 0;
-    }
-  });
-  return bad;
-}
-
 // Visits the items [0, count) in order, each thread a run of RUN consecutive items per round: load(k)
 // reads item k, keep(v) says whether it counts, and visit(k, v, kept, rank) sees every item, with rank = the
 // number of kept items before it. Returns the number of kept items. Every thread of the block must call it.

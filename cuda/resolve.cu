@@ -15,6 +15,10 @@
 // The value half of a table entry that maps a position of U to its index in U (other values are request
 // indices, below 2^31).
 #define U_BIT 0x80000000u
+// The short path's marks (requests of at most FAST_ROUNDS * ELEMENT_RUN * blockDim elements, so request indices
+// below 2^30): a position of U holds U_BIT | q_first until a slot claims it (U_BIT | CLAIM_BIT | slot).
+#define CLAIM_BIT 0x40000000u
+#define FAST_ROUNDS 8
 
 // Shared-memory hash table of positions with `cap` entries (any cap >= 4 * blockDim: the launcher sizes it
 // by the selection). Each 64-bit entry is (position << 32 | value), all ones when empty (position -1 never
@@ -98,6 +102,136 @@ __device__ __forceinline__ u32 u_slot(u64 word) { return (u32)(word >> 32); }
 
 __device__ __forceinline__ bool test_bit(const u32* bits, u32 s) { return (bits[s >> 5] >> (s & 31)) & 1; }
 
+// The LRU as stamps (SPEC.md): slots least recently used first in ascending (stamp, slot). A successful step gives
+// each slot of U the stamp clock << 32 | q_first (the region's clock after the step, the request index of the
+// position's first occurrence: below 2^31, as the launcher keeps R * K), newer than every earlier one and in U's
+// order within the step; invalidate gives emptied slots the region's smallest stamp less one.
+__device__ __forceinline__ i64 make_stamp(i64 clock, u32 q_first) { return (i64)(((u64)clock << 32) | q_first); }
+
+// A stamp as an unsigned key in the same order (the sign bit flipped), for radix digits and unsigned atomics.
+__device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull << 63); }
+
+// The `count` (>= 1) oldest slots of stamps[0 .. H) whose bit in `hit` is clear, by ascending (stamp, slot): E[k]
+// goes to put(k, slot), k < count; the puts are complete block-wide after the caller's next barrier (phase D's
+// first scan; nothing reads them before it, so a barrier here would only cost). Three steps, each exact for any
+// stamps (every i64 is a legal stamp):
+//   1. radix select of T, the count-th smallest key among those slots: digits of 8 bits, most significant
+//      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words). The
+//      digits above the highest bit in which the slots' smallest and largest keys differ are theirs (s_range:
+//      {all ones, 0} on entry, complete block-wide before the caller's last barrier), so the select starts
+//      there: a region's stamps span a few clocks, some 40 bits, not 64;
+//   2. one pass in slot order: the slots below T in a list (list(c) = slot c, the caller's scratch of count
+//      entries), the first `left` slots at T (ties by slot) are E[count - left ..) in slot order;
+//   3. the slots below T ranked among themselves, pair by pair: (count - left)^2 compares over the block, zero
+//      when every slot taken is a tie (a fresh or just invalidated region).
+// Every thread of the block must call it.
+template <class List, class Put>
+__device__ void select_oldest(const i64* stamps, int H, const u32* hit, int count, u32* hist, int* warp_sums,
+                              u64* s_range, u64* s_prefix, int* s_left, List list, Put put) {
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const int lane = tid & 31;
+  u64 lo = ~0ull, hi = 0;
+  for (int s = tid; s < H; s += nt) {
+    if (test_bit(hit, (u32)s)) continue;
+    const u64 key = stamp_key(stamps[s]);
+    lo = min(lo, key);
+    hi = max(hi, key);
+  }
+  atomicMin(&s_range[0], lo);
+  atomicMax(&s_range[1], hi);
+  __syncthreads();  // the range is complete
+  lo = s_range[0];
+  hi = s_range[1];
+  const int top = lo == hi ? -1 : 63 - __clzll((i64)(lo ^ hi));  // the highest bit in which keys differ
+  const int first_shift = top < 0 ? -8 : top / 8 * 8;
+  u64 prefix = first_shift >= 56 ? 0 : lo & (~0ull << (first_shift + 8));  // T's digits found so far
+  int left = count;  // T is the left-th smallest key among the slots whose high digits equal prefix's
+  for (int shift = first_shift; shift >= 0; shift -= 8) {
+    for (int k = tid; k < 256; k += nt) hist[k] = 0;
+    __syncthreads();  // hist is clear (and the last digit's s_prefix / s_left read)
+    const u64 high = shift == 56 ? 0 : ~0ull << (shift + 8);
+    for (int s = tid; s < H; s += nt) {
+      if (test_bit(hit, (u32)s)) continue;
+      const u64 key = stamp_key(stamps[s]);
+      if ((key & high) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+    }
+    __syncthreads();  // the histogram is complete
+    if (tid < 32) {  // lane l scans bins 8l .. 8l + 7: the digit is the first bin where the running sum reaches left
+      u32 c[8];
+      u32 sum = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        c[b] = hist[8 * lane + b];
+        sum += c[b];
+      }
+      u32 incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+        if (lane >= o) incl += y;
+      }
+      u32 below = incl - sum;
+      if (below < (u32)left && incl >= (u32)left) {  // exactly one lane holds the digit
+        int b = 0;
+        while (below + c[b] < (u32)left) below += c[b++];
+        *s_prefix = prefix | ((u64)(8 * lane + b) << shift);
+        *s_left = left - (int)below;
+      }
+    }
+    __syncthreads();  // the digit is published
+    prefix = *s_prefix;
+    left = *s_left;
+  }
+  // Step 2: runs of 16 slots a thread, both counts in one scan (each below 2^16 a round: 16 * blockDim slots).
+  const int less = count - left;
+  int less_base = 0, tie_base = 0;
+  for (int r0 = 0; r0 < H; r0 += 16 * nt) {
+    const int k0 = r0 + tid * 16;
+    u32 below = 0, at = 0;
+#pragma unroll 4
+    for (int u = 0; u < 16; ++u) {
+      const int s = k0 + u;
+      if (s < H && !test_bit(hit, (u32)s)) {
+        const u64 key = stamp_key(stamps[s]);
+        below |= (u32)(key < prefix) << u;
+        at |= (u32)(key == prefix) << u;
+      }
+    }
+    int total;
+    const int packed = block_exclusive_scan(__popc(below) | __popc(at) << 16, &total, warp_sums);
+    int lr = less_base + (packed & 0xffff);
+    int tr = tie_base + (packed >> 16);
+    for (int u = 0; u < 16; ++u) {
+      if ((below >> u) & 1) list(lr++) = (u32)(k0 + u);
+      if ((at >> u) & 1) {
+        if (tr < left) put(less + tr, (u32)(k0 + u));
+        ++tr;
+      }
+    }
+    less_base += total & 0xffff;
+    tie_base += total >> 16;
+  }
+  if (less == 0) return;
+  __syncthreads();  // the list is complete
+  // Step 3: the list is in slot order, so among equal stamps the earlier entry is the smaller slot. A warp takes 32
+  // entries and compares them with 32 others at a time, one load a lane and 32 shuffles (loops uniform per warp).
+  for (int c0 = tid - lane; c0 < less; c0 += nt) {
+    const int c = c0 + lane;
+    const u32 s = c < less ? (u32)list(c) : 0u;
+    const u64 key = c < less ? stamp_key(stamps[s]) : 0;
+    int rank = 0;
+    for (int j0 = 0; j0 < less; j0 += 32) {
+      const u64 mine = j0 + lane < less ? stamp_key(stamps[list(j0 + lane)]) : 0;
+      for (int b = 0; b < 32 && j0 + b < less; ++b) {
+        const u64 other = __shfl_sync(HS_FULL_MASK, mine, b);
+        rank += other < key || (other == key && j0 + b < c);
+      }
+    }
+    if (c < less) put(rank, s);
+  }
+}
+
 // heat_row[page] += 1 for every lane whose page is >= 0, with one atomic per distinct page of the warp: a
 // step's selection crowds onto a few pages (the tail, the last turn), whose counters would otherwise take up
 // to 32 atomics from one warp. Every lane of the warp must call it.
@@ -135,11 +269,17 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 //                             map U -> index in U; past HB_PAIRWISE hot blocks (or after windowed phase A), a
 //                             bitmap of the hot blocks (checks 1-3), then a rebuilt map of U
 //   int rows[R]               the request's batch rows
-//   u32 bits[ceil(H / 32)]    slots: seen in hot_lru (the permutation check: all set), then cleared for hits
+//   u32 bits[ceil(H / 32)]    slots that hold a hit (phase B)
 // A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
-// windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, E) lives in
-// the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and in windowed phase A the
-// request's entries of `out` mark U's members.
+// windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, first request
+// indices, E) lives in the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and the
+// request's entries of `out` serve as scratch before phase E writes them: in windowed phase A they mark U's
+// members, in phase C they list the slots it ranks.
+//
+// A step without misses on the short path (below) writes its row ids, its heat and the stamps of U's slots, and
+// nothing else: no scan of U, no entries, no LRU pass, no plan, no copies. Its barriers (one request row): phase
+// A's first (which also counts the request's rows), its table's, its marks', and the checks' (which phase B
+// shares): four; a request that selects nothing outside the resident pages skips the last.
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
@@ -148,14 +288,18 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     hisparse_resolve(const int* __restrict__ topk, const int* __restrict__ row_state,
                      const int* __restrict__ seq_lens, const int* __restrict__ block_table,
                      const int* __restrict__ host_table, const int* __restrict__ hot_blocks,
-                     int* __restrict__ hot_pos, int* __restrict__ hot_lru, int* __restrict__ heat,
+                     int* __restrict__ hot_pos, i64* __restrict__ hot_stamp, i64* __restrict__ hot_clock,
+                     int* __restrict__ heat,
                      int* __restrict__ status, u64* __restrict__ counters, int* __restrict__ out,
                      u64* __restrict__ plan, int* __restrict__ plan_count, const u64* __restrict__ layers,
                      int R, int K, int S, int P, int G,
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_more_rows;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left, s_u;
+  __shared__ i64 s_clock;
+  __shared__ u64 s_prefix, s_range[2];
+  __shared__ u32 s_hist[256];  // phase C's radix digits
 
   u64* tab = smem;
   int* rows = (int*)(tab + cap);
@@ -175,16 +319,13 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   for (int k = tid; k < R; k += nt) {
     if (row_state[k] == r) (k < i0 ? not_first : later) |= k != i0;
   }
-  if (tid == 0) s_more_rows = 0;
-  if (__syncthreads_or(not_first)) return;
-  if (later) s_more_rows = 1;  // read after phase A's first barrier
 
   const int* bt_row = block_table + (i64)r * P;
   const int* ht_row = host_table + (i64)r * P;
   const int* hb_row = hot_blocks + (i64)r * HB;
   int* heat_row = heat + (i64)r * P;
   int* hp = hot_pos + ((i64)r * G + g) * H;
-  int* lru = hot_lru + ((i64)r * G + g) * H;
+  i64* hs = hot_stamp + ((i64)r * G + g) * H;
   const int raw_len = seq_lens[r];
   const int len = min(max(raw_len, 0), P * bs);  // the launcher keeps P * bs below 2^31
   const int limit = cap - cap / 4;                // cap / 4 >= blockDim: see table_insert_min
@@ -206,20 +347,34 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
   // the entries. First occurrence = the element whose request index q is the smallest of its position's.
   for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
-  for (int k = tid; k < words; k += nt) bits[k] = 0;  // for the permutation check
+  for (int k = tid; k < words; k += nt) bits[k] = 0;  // hit slots
   if (tid == 0) {
     s_claimed = 0;
     s_full = 0;
     s_hits = 0;
+    s_u = 0;
+    s_range[0] = ~0ull;  // phase C's smallest and largest key
+    s_range[1] = 0;
     s_dup = 0;
     s_host = 0;
     s_status = raw_len == len ? 0 : HS_BAD_TABLE;
     rows[0] = i0;
   }
-  __syncthreads();  // also publishes rows[0] and s_more_rows
+  // One barrier clears the shared state and tells every thread whether the request has other rows: each warp's
+  // votes go to warp_sums (bit 0: a row of r before i0, whose CTA resolves the request; bit 1: one after it).
+  const u32 vote_first = __ballot_sync(HS_FULL_MASK, not_first);
+  const u32 vote_later = __ballot_sync(HS_FULL_MASK, later);
+  if ((tid & 31) == 0) warp_sums[tid >> 5] = (vote_first != 0) | (vote_later != 0) << 1;
+  __syncthreads();  // also publishes rows[0]
+  int votes = 0;
+  for (int w = 0; w < (nt + 31) >> 5; ++w) votes |= warp_sums[w];
+  if (votes & 1) return;
+  // Read once, here: only this CTA writes it (at the end), and the CTAs of r's other rows never read it.
+  if (tid == 0) s_clock = hot_clock[(i64)r * G + g];
   // The request's batch rows: i0 alone (a decode step without speculation: no scan), or every row of r.
   int n_rows = 1;
-  if (s_more_rows) {
+  if (votes & 2) {
+    __syncthreads();  // every thread has read the votes: the scan below rewrites warp_sums
     n_rows = 0;
     for (int k0 = i0; k0 < R; k0 += nt) {
       const bool mine = k0 + tid < R && row_state[k0 + tid] == r;
@@ -238,10 +393,53 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   __syncthreads();
 
   int n = 0;  // |U|
-  if (!s_full) {
+  const int count = n_rows * K;
+  // The short path: the hash table, hot blocks checked pair by pair, a selection of at most FAST_ROUNDS rounds.
+  // U is not compacted unless something misses: phase A marks U's positions in the table (U_BIT | q_first) and
+  // counts them, each thread keeping which of its elements are first occurrences of U (bit round * ELEMENT_RUN + u
+  // of firsts); phase B claims each hit's mark for its slot, in the checks' interval. A request that hits
+  // everything then writes its row ids and stamps at once (phase E); one that misses compacts U (phase A2) and
+  // goes on as the long path does.
+  const bool fast = !s_full && HB <= HB_PAIRWISE && count <= FAST_ROUNDS * ELEMENT_RUN * nt;
+  u32 firsts = 0;
+  // Calls f(q, gi, u_bit, active) for this thread's elements in the short path's order: ELEMENT_RUN consecutive
+  // ones a round (every thread ELEMENT_RUN calls a round, active false past the end, so that f may use warp
+  // collectives); u_bit is the element's bit in firsts.
+  auto for_each_run = [&](auto f) {
+    for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
+      const int q0 = r0 + tid * ELEMENT_RUN;
+#pragma unroll
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        const int q = q0 + u;
+        const bool active = q < count;
+        const u32 gi = active ? (u32)rows[q / K] * (u32)K + (u32)(q % K) : 0u;
+        f((u32)q, gi, 1u << (round * ELEMENT_RUN + u), active);
+      }
+    }
+  };
+  if (fast) {
+    int marked = 0;
+    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
+      const int pos = position(gi, active);
+      const u32 h = pos >= 0 ? table_find(tab, cap, pos) : HS_NONE;
+      const bool first = h != HS_NONE && (u32)tab[h] == q;
+      add_heat(heat_row, first ? pos / bs : -1);
+      const int block = first ? block_of(pos) : 1;
+      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+      if (block == 0) {  // later elements of the position compare their own q, which U_BIT | q never equals
+        tab[h] = table_entry(pos, U_BIT | q);
+        firsts |= u_bit;
+        ++marked;
+      }
+    });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) marked += __shfl_xor_sync(HS_FULL_MASK, marked, o);
+    if ((tid & 31) == 0 && marked > 0) atomicAdd(&s_u, marked);
+    __syncthreads();  // U's marks and count are complete
+    n = s_u;
+  } else if (!s_full) {
     // Each thread takes ELEMENT_RUN consecutive elements per round, so one scan orders a round of
     // ELEMENT_RUN * blockDim elements (a decode row of K = 2048 takes one round).
-    const int count = n_rows * K;
     for (int r0 = 0; r0 < count; r0 += ELEMENT_RUN * nt) {
       const int q0 = r0 + tid * ELEMENT_RUN;
       int u_pos_of[ELEMENT_RUN];
@@ -264,6 +462,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       for (int u = 0; u < ELEMENT_RUN; ++u) {
         if (!((in_u >> u) & 1)) continue;
         entry(t)[0] = u_word(u_pos_of[u], HS_NONE);
+        ((u32*)entry(t))[2] = (u32)(q0 + u);  // its stamp's low half (phase D)
         // The entry now maps the position to its index in U (phase B and E's lookups). Later rounds still
         // compare request indices, which U_BIT never equals. Past HB_PAIRWISE the checks clear tab for their
         // bitmap as soon as this round is done: no write then.
@@ -298,11 +497,14 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       });
       __syncthreads();  // first_at is cleared next
     }
-    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
       const int pos = active ? out[gi] : -1;
       int total;
       const int t = n + block_exclusive_scan(pos >= 0, &total, warp_sums);
-      if (pos >= 0) entry(t)[0] = u_word(pos, HS_NONE);
+      if (pos >= 0) {
+        entry(t)[0] = u_word(pos, HS_NONE);
+        ((u32*)entry(t))[2] = q;
+      }
       n += total;
     });
   }
@@ -338,11 +540,11 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
   };
 
-  // Checks 1-3 of SPEC step 4: overflow; the hot blocks in range and distinct (pair by pair up to HB_PAIRWISE
+  // Checks 1-2 of SPEC step 4: overflow; the hot blocks in range and distinct (pair by pair up to HB_PAIRWISE
   // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
-  // 64 * cap ids: one window unless the slab has more blocks); hot_lru a permutation (bits: slots seen, clear
-  // since phase A's first barrier; all set when it is one). Nothing reads U's entries or the table's U marks
-  // before the barrier below; a request that stops here reads none.
+  // 64 * cap ids: one window unless the slab has more blocks). Nothing reads U's entries or the table's U marks
+  // before the barrier below; a request that stops here reads none. The short path's phase B runs before that
+  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT.
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
@@ -380,18 +582,33 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         mark_window(w);
       }
     }
-    bad |= mark_slots(lru, H, bits);
-    // Also orders every atomicOr above before phase B takes bits (and, past HB_PAIRWISE, rebuilds tab).
+    if (fast) {
+      int hits = 0;
+      for_each_loaded<3>(hp, H, [&](int s, int pos) {
+        const u32 h = pos >= 0 ? table_find(tab, cap, pos) : HS_NONE;
+        if (h == HS_NONE) return;
+        const u64 mark = tab[h];
+        if (!((u32)mark & U_BIT)) return;  // a position outside U
+        if (!((u32)mark & CLAIM_BIT) && atomicCAS(&tab[h], mark, table_entry(pos, U_BIT | CLAIM_BIT | s)) == mark) {
+          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          ++hits;
+        } else {
+          bad = true;  // a second slot holds the position
+        }
+      });
+      if (hits > 0) atomicAdd(&s_hits, hits);
+    }
+    // Also orders phase A's entries and table marks before phase B's lookups (and, past HB_PAIRWISE, the bitmap's
+    // last reads before tab is rebuilt); on the short path, phase B's claims and hit count before what follows.
     ok = !__syncthreads_or(bad);
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
 
-  // Phase B: hits. A slot holding a position of U claims the position's entry; a second slot holding it is
-  // corrupt state (check 3). bits, all set by the permutation check, now loses the slots of hits: a slot whose
-  // bit is set holds no hit (hit_free). Phase A's table maps U already unless it gave way to windows or to the
-  // hot-block bitmap.
+  // Phase B: hits. A slot holding a position of U claims the position's entry and sets its bit in bits; a second
+  // slot holding it is corrupt state (check 3). Phase A's table maps U already unless it gave way to windows or to
+  // the hot-block bitmap.
   int n_miss = 0;
-  if (ok) {
+  if (ok && !fast) {
     with_u_map(s_full || HB > HB_PAIRWISE, true, [&](auto find) {
       int hits = 0;
       // Runs of 3: with 4 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
@@ -399,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         const u32 t = find(pos);
         if (t == HS_NONE) return;
         if (atomicCAS(entry(t), u_word(pos, HS_NONE), u_word(pos, s)) == u_word(pos, HS_NONE)) {
-          atomicAnd(&bits[s >> 5], ~(1u << (s & 31)));
+          atomicOr(&bits[s >> 5], 1u << (s & 31));
           ++hits;
         } else {
           s_dup = 1;
@@ -410,7 +627,50 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     ok = !s_dup;
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
-  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: with_u_map's barrier.)
+  // The short path: done when everything hit; else phase A2 compacts U (in request order, a scan a round) into the
+  // entries as the long path's phase A does, each entry with its hit's slot, and makes the table map U to it.
+  const bool done = fast && ok && s_hits == n;
+  if (fast && ok && !done) {
+    int t0 = 0;
+    for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
+      const u32 mine = (firsts >> (round * ELEMENT_RUN)) & ((1u << ELEMENT_RUN) - 1);
+      int total;
+      // The last round's scan leaves out its last barrier: the one after the loop serves.
+      int t = t0 + block_exclusive_scan(__popc(mine), &total, warp_sums, r0 + ELEMENT_RUN * nt < count);
+      const int q0 = r0 + tid * ELEMENT_RUN;
+      for (int u = 0; u < ELEMENT_RUN; ++u) {
+        if (!((mine >> u) & 1)) continue;
+        const int q = q0 + u;
+        const int pos = position((u32)rows[q / K] * (u32)K + (u32)(q % K), true);
+        const u32 h = table_find(tab, cap, pos);
+        const u32 mark = (u32)tab[h];
+        entry(t)[0] = u_word(pos, mark & CLAIM_BIT ? mark & ~(U_BIT | CLAIM_BIT) : HS_NONE);
+        ((u32*)entry(t))[2] = (u32)q;
+        tab[h] = table_entry(pos, U_BIT | (u32)t);
+        ++t;
+      }
+      t0 += total;
+    }
+    __syncthreads();  // the entries and the table's map of U are complete
+  }
+  if (done) {
+    // The short path, everything hit: every element's row id, and each position's first occurrence stamps its
+    // slot (the claim in its mark) with this step's clock and its own request index.
+    const i64 clock = s_clock + 1;
+    for_each_run([&](u32 q, u32 gi, u32 u_bit, bool active) {
+      if (!active) return;
+      const int pos = position(gi, true);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      int row = block > 0 ? block * bs + pos % bs : -1;
+      if (block == 0) {
+        const u32 slot = table_value(tab, cap, pos) & ~(U_BIT | CLAIM_BIT);
+        row = hot_row(slot);
+        if (firsts & u_bit) hs[slot] = make_stamp(clock, q);
+      }
+      out[gi] = row;
+    });
+  }
+  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: phase B's barrier.)
   if (ok) n_miss = n - s_hits;
   if (ok && n_miss > 0) {
     int flags = 0;
@@ -426,53 +686,50 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (!ok && tid == 0) s_status |= s_host;
   }
 
-  if (ok) {
-    // Phase C, the LRU: E = old LRU without the hit slots. E[0 .. |M|) go to the entries (word 1); E[|M| ..)
-    // move to the front, in place (block_runs: an entry moves to an index no larger than its own). Runs of 16:
-    // one round (one scan) for a region of up to 16,384 slots.
-    block_runs<u32, 16>(
-        H, [&](int k) { return (u32)lru[k]; }, [&](u32 s) { return test_bit(bits, s); },
-        [&](int, u32 s, bool evictable, int e) {
-          if (!evictable) return;
-          if (e < n_miss) {
-            entry(e)[1] = s;
-          } else {
-            lru[e - n_miss] = (int)s;
-          }
-        },
-        warp_sums, n_miss > 0);  // without misses no scan follows
+  if (ok && !done) {
+    const i64 clock = s_clock + 1;  // this step's (the region's clock after it)
+    // Phase C, the LRU: E[0 .. |M|), the |M| oldest slots that hold no hit (select_oldest), to the high halves of
+    // the entries' word 1; out's entries of the request list the slots it ranks. Nothing without misses.
+    if (n_miss > 0) {
+      select_oldest(
+          hs, H, bits, n_miss, s_hist, warp_sums, s_range, &s_prefix, &s_left,
+          [&](int c) -> int& { return out[(u32)rows[c / K] * (u32)K + (u32)(c % K)]; },
+          [&](int m, u32 s) { ((u32*)entry((u32)m))[3] = s; });
+    }
 
-    // Phase D: U in order. Miss m takes slot E[m] (word 1 of entry m, written above: the scan's barrier orders
-    // it); every slot of U goes to the LRU tail in U's order. Without misses every slot of U is known and holds
-    // its position already: no scan, and nothing after this reads what it writes (the LRU's tail, which phase C
-    // did not write).
+    // Phase D: U in order (block_runs' first scan completes phase C's puts). Miss m takes slot E[m] and its
+    // position; every slot of U gets this step's stamp with its position's first request index (word 1's low
+    // half). Without misses every slot of U is known and holds its position already: no scan, and nothing after
+    // this reads what it writes.
     if (n_miss > 0) {
       block_runs<u64, 4>(
           n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return u_slot(word) == HS_NONE; },
           [&](int t, u64 word, bool miss, int m) {
             u32 slot = u_slot(word);
             if (miss) {
-              slot = (u32)entry(m)[1];
+              slot = ((const u32*)entry(m))[3];
               entry(t)[0] = u_word(u_pos(word), slot);
+              hp[slot] = u_pos(word);
             }
-            hp[slot] = u_pos(word);
-            lru[H - n + t] = (int)slot;
+            hs[slot] = make_stamp(clock, ((const u32*)entry(t))[2]);
           },
           warp_sums);
       __syncthreads();  // U's slots are complete
     } else {
-      for (int t = tid; t < n; t += nt) lru[H - n + t] = (int)u_slot(entry(t)[0]);
+      for (int t = tid; t < n; t += nt) hs[u_slot(entry(t)[0])] = make_stamp(clock, ((const u32*)entry(t))[2]);
     }
   }
 
   // Phase E: row ids. Every element but U's members first; then U's members, from their slots.
-  for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
-    if (!active) return;
-    const int pos = position(gi, true);
-    const int block = pos >= 0 ? block_of(pos) : -1;
-    out[gi] = block > 0 ? block * bs + pos % bs : -1;
-  });
-  if (ok) {
+  if (!done) {
+    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+      if (!active) return;
+      const int pos = position(gi, true);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      out[gi] = block > 0 ? block * bs + pos % bs : -1;
+    });
+  }
+  if (ok && !done) {
     // Phase F below rewrites the entries this reads: only then must every lookup be done first.
     with_u_map(false, n_miss > 0, [&](auto find) {
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
@@ -487,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // (block_runs: miss m lands in entry m <= t).
     if (n_miss > 0) {
       block_runs<u64, 4>(
-          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return test_bit(bits, u_slot(word)); },
+          n, [&](int t) { return entry(t)[0]; }, [&](u64 word) { return !test_bit(bits, u_slot(word)); },
           [&](int, u64 word, bool miss, int m) {
             if (!miss) return;
             const int pos = u_pos(word);
@@ -536,6 +793,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // Atomic: two groups of one request may be resolved at once on different streams.
     if (s_status != 0) atomicOr(&status[r], s_status);
     if (ok) {
+      hot_clock[(i64)r * G + g] = s_clock + 1;
       atomicAdd(&counters[0], (u64)(n - n_miss));
       atomicAdd(&counters[1], (u64)n_miss);
       atomicAdd(&counters[2], (u64)n_miss * (u64)rb * (u64)L);
@@ -560,26 +818,27 @@ __device__ bool set_contains(const u32* keys, u32 cap, int pos) {
 
 // invalidate(pairs) of SPEC.md. grid = (S, G), INVALIDATE_THREADS threads: CTA (r, g) takes the pairs of
 // state row r (a row outside [0, S) matches no CTA) in passes of INVALIDATE_BATCH pairs, each a set of their
-// positions and one sweep of the slots. Dynamic shared memory: u32 keys[2 * INVALIDATE_BATCH], then u32
-// emptied[ceil(H / 32)] and u32 seen[ceil(H / 32)] (bits of slots).
+// positions and one sweep of the slots; then the emptied slots take the stamp one below the region's smallest
+// (the subtraction saturates: a region already holding the smallest i64 gets that). Dynamic shared memory:
+// u32 keys[2 * INVALIDATE_BATCH], then u32 emptied[ceil(H / 32)] (bits of slots).
 extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
     hisparse_invalidate(const int* __restrict__ pairs, int n, int* __restrict__ hot_pos,
-                        int* __restrict__ hot_lru, int G, int H) {
+                        i64* __restrict__ hot_stamp, int G, int H) {
   HS_DYNAMIC_SHARED(u32, keys);
-  __shared__ int warp_sums[32];
+  __shared__ u64 s_least;  // the smallest stamp of the region, as a stamp_key
 
   const u32 cap = 2 * INVALIDATE_BATCH;
   const int words = (H + 31) / 32;
   u32* emptied = keys + cap;
-  u32* seen = emptied + words;
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   const int r = blockIdx.x;
   int* hp = hot_pos + ((i64)r * G + blockIdx.y) * H;
-  int* lru = hot_lru + ((i64)r * G + blockIdx.y) * H;
+  i64* hs = hot_stamp + ((i64)r * G + blockIdx.y) * H;
   if (n <= 0) return;
 
   for (int k = tid; k < words; k += nt) emptied[k] = 0;
+  if (tid == 0) s_least = ~0ull;  // every pass below begins with a barrier
   bool any_emptied = false;
   for (int b0 = 0; b0 < n; b0 += INVALIDATE_BATCH) {
     // Most CTAs find no pair of their row: they read the pairs and go on.
@@ -606,35 +865,13 @@ extern "C" __global__ void __launch_bounds__(INVALIDATE_THREADS)
   }
   if (!any_emptied) return;
 
-  // The LRU is rewritten only if it is a permutation; resolve flags it otherwise.
-  for (int k = tid; k < words; k += nt) seen[k] = 0;
-  __syncthreads();
-  if (__syncthreads_or(mark_slots(lru, H, seen))) return;
-
-  // Kept slots slide to the back in their order, from the last chunk to the first: an entry moves to an
-  // index no smaller than its own, and each chunk is read completely before it is written.
-  int kept_above = 0;
-  for (int k_end = H; k_end > 0; k_end -= nt) {
-    const int k = k_end - 1 - tid;
-    u32 s = 0;
-    bool keep = false;
-    if (k >= 0) {
-      s = (u32)lru[k];
-      keep = !test_bit(emptied, s);
-    }
-    int total;
-    const int above = kept_above + block_exclusive_scan(keep, &total, warp_sums);
-    if (keep) lru[H - 1 - above] = (int)s;
-    kept_above += total;
-  }
-  // The emptied slots take the front, in slot order.
-  int e_base = 0;
-  for (int s0 = 0; s0 < H; s0 += nt) {
-    const int s = s0 + tid;
-    const bool e = s < H && test_bit(emptied, (u32)s);
-    int total;
-    const int at = e_base + block_exclusive_scan(e, &total, warp_sums);
-    if (e) lru[at] = s;
-    e_base += total;
+  u64 least = ~0ull;
+  for (int s = tid; s < H; s += nt) least = min(least, stamp_key(hs[s]));
+  atomicMin(&s_least, least);
+  __syncthreads();  // s_least is complete, and every stamp read before any is written
+  const i64 smallest = (i64)(s_least ^ (1ull << 63));
+  const i64 front = smallest == (i64)(1ull << 63) ? smallest : smallest - 1;
+  for (int s = tid; s < H; s += nt) {
+    if (test_bit(emptied, (u32)s)) hs[s] = front;
   }
 }

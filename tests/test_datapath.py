@@ -122,13 +122,13 @@ def test_resolve_and_invalidate_refuse_aliased_state():
     dp = filled()
     before = snapshot(dp)
     topk, row_state = torch.zeros(1, TOP_K, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    hot_lru, gpu = dp.state["hot_lru"], dp.gpu
-    dp.state["hot_lru"] = dp.state["hot_pos"]
-    with overlap_error("hot_pos", "hot_lru"):
+    hot_stamp, gpu = dp.state["hot_stamp"], dp.gpu
+    dp.state["hot_stamp"] = dp.state["hot_pos"].view(torch.int64)  # the int64 type the stamps have, over hot_pos
+    with overlap_error("hot_pos", "hot_stamp"):
         dp.invalidate([(0, 1)])
-    with overlap_error("hot_pos", "hot_lru"):
+    with overlap_error("hot_pos", "hot_stamp"):
         dp.resolve(topk, row_state)
-    dp.state["hot_lru"] = hot_lru
+    dp.state["hot_stamp"] = hot_stamp
     dp.gpu = [gpu[0], gpu[1], gpu[1]]  # group 1 reads layers 1 and 2
     with overlap_error("gpu layer 0", "gpu layer 1"):
         dp.resolve(topk, row_state, group=1)
@@ -141,7 +141,8 @@ def test_resolve_reference_refuses_every_overlap_with_a_written_buffer():
     before = snapshot(dp)
     kw = reference_kwargs(dp)
     cases = [
-        (dict(hot_lru=kw["hot_pos"]), ("hot_pos", "hot_lru")),
+        (dict(hot_stamp=kw["hot_pos"].view(torch.int64)), ("hot_pos", "hot_stamp")),
+        (dict(hot_clock=kw["hot_stamp"].view(-1)[: kw["hot_clock"].numel()]), ("hot_stamp", "hot_clock")),
         (dict(out=kw["topk"]), ("topk", "out")),
         (dict(out=dp.state["heat"].view(-1)[: 2 * TOP_K].view(2, TOP_K)), ("heat", "out")),
         (dict(out=dp.state["block_table"].view(-1)[3 : 3 + 2 * TOP_K].view(2, TOP_K)), ("block_table", "out")),
@@ -167,9 +168,9 @@ def test_gather_and_invalidate_shapes_of_aliasing():
     slab = torch.zeros(64, 16, dtype=torch.uint8)
     with overlap_error("out", "slab"):
         _check_disjoint({"out": slab[8:24]}, {"row_ids": torch.zeros(16, dtype=torch.int32), "slab": slab})
-    hot_pos, hot_lru = torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)
+    hot_pos, hot_stamp = torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int64)
     with overlap_error("hot_pos", "pairs"):
-        _check_disjoint({"hot_pos": hot_pos, "hot_lru": hot_lru}, {"pairs": hot_pos.view(-1)[10:14].view(2, 2)})
+        _check_disjoint({"hot_pos": hot_pos, "hot_stamp": hot_stamp}, {"pairs": hot_pos.view(-1)[10:14].view(2, 2)})
 
 
 def test_a_write_inside_a_long_read_is_seen_past_a_short_read():

@@ -140,7 +140,7 @@ def test_replay_through_the_public_launcher():
     ops.replay(miss_plan=plan, miss_count=count, gpu_layers=dev["gpu_layers"][1:], host_layers=dev["host_layers"][1:])
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), ref["out"])
-    assert_same(dev, ref, ("hot_pos", "hot_lru", "heat", "status", "gpu_layers", "host_layers"))
+    assert_same(dev, ref, ("hot_pos", "hot_stamp", "hot_clock", "heat", "status", "gpu_layers", "host_layers"))
     misses = int(ref["counters"][1] - case["counters"][1])
     assert int(count.sum()) == misses
     assert int(dev["counters"][2]) == int(case["counters"][2]) + misses * case["gpu_layers"][0].shape[1]
@@ -200,7 +200,8 @@ def test_resolve_rejects_bad_inputs():
     case["out"] = torch.zeros(R, K, dtype=torch.int32, device="cuda")
     bad = [
         ("topk", case["topk"].long(), "dtype"),
-        ("hot_lru", case["hot_lru"][:, :1], "shape"),
+        ("hot_stamp", case["hot_stamp"][:, :1], "shape"),
+        ("hot_clock", case["hot_clock"].int(), "dtype"),
         ("heat", case["heat"].t().contiguous().t(), "contiguous"),
         ("host_layers", [t.clone() for t in case["host_layers"]], "pinned"),
         ("gpu_layers", [t[:, :40].contiguous() for t in case["gpu_layers"]], "multiple of 16"),
@@ -257,4 +258,4 @@ def test_launchers_reject_cpu_tensors():
     with pytest.raises(ValueError, match="CUDA tensor"):
         ops.gather(row_ids=torch.zeros(2, 2, dtype=torch.int32), slab=torch.zeros(4, 16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="CUDA tensor"):
-        ops.invalidate(pairs=torch.zeros(1, 2, dtype=torch.int32), hot_pos=case["hot_pos"], hot_lru=case["hot_lru"])
+        ops.invalidate(pairs=torch.zeros(1, 2, dtype=torch.int32), hot_pos=case["hot_pos"], hot_stamp=case["hot_stamp"])

@@ -444,8 +444,8 @@ class FakeWorker:
             self.host_index = {layer: i for i, layer in enumerate(self.layers)}
             self.residency = torch.zeros(len(self.resident_groups), self.max_rows, self.max_pages, dtype=torch.int32)
             self.hot_pos = torch.full((self.max_rows, num_layers, self.hot_rows), -1, dtype=torch.int32)
-            self.hot_lru = torch.arange(self.hot_rows, dtype=torch.int32).repeat(self.max_rows, num_layers, 1)
-            self.hot_lru = self.hot_lru.contiguous()
+            self.hot_stamp = torch.zeros(self.max_rows, num_layers, self.hot_rows, dtype=torch.int64)
+            self.hot_clock = torch.zeros(self.max_rows, num_layers, dtype=torch.int64)
             # The reference resolver counts heat as SPEC.md says; what the scheduler gets is counted apart, by
             # the plugin's worker code (SelectionHeat, as on a GPU), so this table is never read.
             self.resolver_heat = torch.zeros(self.max_rows, self.max_pages, dtype=torch.int32)
@@ -491,7 +491,8 @@ class FakeWorker:
 
     def _reset_hot(self, req: _Req) -> None:
         self.hot_pos[req.row] = -1
-        self.hot_lru[req.row] = torch.arange(self.hot_rows, dtype=torch.int32)
+        self.hot_stamp[req.row] = 0
+        self.hot_clock[req.row] = 0
         req.hot_blocks = ()
 
     def _drop(self, req_id: str) -> None:
@@ -881,7 +882,8 @@ class FakeWorker:
         before = int(self.counters[1])
         resolve_reference(topk=torch.from_numpy(topk), row_state=row_state, seq_lens=seq_lens,
                           block_table=self.residency[k].contiguous(), host_table=host_table, hot_blocks=hot_blocks,
-                          hot_pos=self.hot_pos, hot_lru=self.hot_lru, heat=self.resolver_heat, status=self.status,
+                          hot_pos=self.hot_pos, hot_stamp=self.hot_stamp, hot_clock=self.hot_clock,
+                          heat=self.resolver_heat, status=self.status,
                           counters=self.counters, gpu_layers=[self.slab[part]],
                           host_layers=[self.host[self.host_index[layer]]],
                           group=layer, block_size=BLOCK, out=out)

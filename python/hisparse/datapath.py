@@ -25,14 +25,15 @@ from .errors import ConfigError, InvalidArgumentError
 from .heat import HeatOptions, HeatSummaryInFlight, heat_ranks, rank_heat
 
 #: The resolver's state (cuda/SPEC.md), in the order ``resolve`` takes it.
-RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_lru", "heat", "status",
-                  "counters")
+RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_stamp", "hot_clock", "heat",
+                  "status", "counters")
 #: What ``apply`` writes, in the order ``_core._ref_apply`` takes it.
 APPLY_FIELDS = ("seq_lens", "block_table", "host_table", "releasable", "row_request", "hot_blocks", "hot_pos",
-                "hot_lru", "heat", "status")
+                "hot_stamp", "hot_clock", "heat", "status")
 #: What ``heat_summary`` reads (and decays), in the order ``_core._ref_heat_summary`` takes it.
 HEAT_FIELDS = ("seq_lens", "releasable", "row_request", "heat")
-_DTYPES = {"releasable": torch.uint8, "row_request": torch.int64, "counters": torch.int64}
+_DTYPES = {"releasable": torch.uint8, "row_request": torch.int64, "counters": torch.int64, "hot_stamp": torch.int64,
+           "hot_clock": torch.int64}
 
 
 def _buf(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
@@ -99,7 +100,8 @@ def resolve_reference(
     host_table: torch.Tensor,
     hot_blocks: torch.Tensor,
     hot_pos: torch.Tensor,
-    hot_lru: torch.Tensor,
+    hot_stamp: torch.Tensor,
+    hot_clock: torch.Tensor,
     heat: torch.Tensor,
     status: torch.Tensor,
     counters: torch.Tensor,
@@ -127,9 +129,10 @@ def resolve_reference(
     if seq_lens.shape != (s,) or status.shape != (s,):
         raise InvalidArgumentError("seq_lens and status must be [S]")
     read = dict(seq_lens=seq_lens, block_table=block_table, host_table=host_table, hot_blocks=hot_blocks)
-    written = dict(hot_pos=hot_pos, hot_lru=hot_lru, heat=heat, status=status, counters=counters)
+    written = dict(hot_pos=hot_pos, hot_stamp=hot_stamp, hot_clock=hot_clock, heat=heat, status=status,
+                   counters=counters)
     state = {**read, **written}
-    bufs = [_buf(t, name, torch.int64 if name == "counters" else torch.int32) for name, t in state.items()]
+    bufs = [_buf(t, name, _DTYPES.get(name, torch.int32)) for name, t in state.items()]
     row_bytes = gpu_layers[0].shape[-1]
     gpu = {f"gpu layer {i}": t for i, t in enumerate(gpu_layers)}
     host = {f"host layer {i}": t for i, t in enumerate(host_layers)}
@@ -434,7 +437,9 @@ class DataPath:
             "host_table": torch.full((s, p), -1, **i32),
             "hot_blocks": torch.zeros(s, lay.hot_blocks, **i32),
             "hot_pos": torch.full((s, g, h), -1, **i32),
-            "hot_lru": torch.arange(h, **i32).repeat(s, g, 1),
+            # The LRU as stamps (SPEC.md): all 0 is slot order; each region's clock counts its steps.
+            "hot_stamp": torch.zeros(s, g, h, dtype=torch.int64, device=dev),
+            "hot_clock": torch.zeros(s, g, dtype=torch.int64, device=dev),
             "heat": torch.zeros(s, p, **i32),
             "status": torch.zeros(s, **i32),
             "counters": torch.zeros(3, dtype=torch.int64, device=dev),
@@ -514,9 +519,9 @@ class DataPath:
         rows = section("cleared", 1)[:, 0]
         if rows.numel():
             for name, value in (("seq_lens", 0), ("block_table", 0), ("host_table", -1), ("releasable", 0),
-                                ("row_request", -1), ("heat", 0), ("status", 0), ("hot_blocks", 0), ("hot_pos", -1)):
+                                ("row_request", -1), ("heat", 0), ("status", 0), ("hot_blocks", 0), ("hot_pos", -1),
+                                ("hot_stamp", 0), ("hot_clock", 0)):
                 st[name].index_fill_(0, rows, value)
-            st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
         lens = section("seq_lens", 2)
         if lens.numel():
             a, b = s.long_spans["seq_lens"]
@@ -535,7 +540,8 @@ class DataPath:
             blocks[:, : s.hot_blocks] = hot[:, 2:].to(torch.int32)
             st["hot_blocks"].index_copy_(0, rows, blocks)
             st["hot_pos"].index_fill_(0, rows, -1)
-            st["hot_lru"].index_copy_(0, rows, self._fresh_lru(rows.numel()))
+            st["hot_stamp"].index_fill_(0, rows, 0)
+            st["hot_clock"].index_fill_(0, rows, 0)
         if dev.type == "cuda":
             mover = self._page_mover()
             mover.restore(plan.restores)
@@ -591,10 +597,6 @@ class DataPath:
         # A page without a block (a table out of step; the CPU path refuses it) is written nowhere: -1, the
         # slot engines skip, never a row of the null block.
         return torch.where(blocks > 0, blocks * lay.block_size + pos % lay.block_size, -1)
-
-    def _fresh_lru(self, n: int) -> torch.Tensor:
-        lay = self.layout
-        return torch.arange(lay.hot_rows, dtype=torch.int32, device=self.device).expand(n, lay.num_groups, -1)
 
     def heat_summary(self, coldest: int = HeatOptions.coldest, hottest: int = HeatOptions.hottest) -> bytes:
         """The ``coldest`` coldest and the ``hottest`` hottest releasable pages of every running row, encoded for
@@ -728,10 +730,10 @@ class DataPath:
             from .kernels import ops
 
             ops.invalidate(pairs=_to_device(t, self.device), hot_pos=self.state["hot_pos"],
-                           hot_lru=self.state["hot_lru"])
+                           hot_stamp=self.state["hot_stamp"])
             return
-        hot = {name: self.state[name] for name in ("hot_pos", "hot_lru")}
-        bufs = [_buf(v, name, torch.int32) for name, v in {**hot, "pairs": t}.items()]
+        hot = {name: self.state[name] for name in ("hot_pos", "hot_stamp")}
+        bufs = [_buf(v, name, _DTYPES.get(name, torch.int32)) for name, v in {**hot, "pairs": t}.items()]
         _check_disjoint(hot, {"pairs": t})
         _core._ref_invalidate(_geometry(self.state, lay.block_size, lay.row_bytes), *bufs)
 

@@ -25,7 +25,8 @@ from hisparse.kernels import launch, ops
 
 from . import Harness
 
-STATE_KEYS = ("hot_pos", "hot_lru", "heat", "status", "counters")
+STATE_KEYS = ("hot_pos", "hot_stamp", "hot_clock", "heat", "status", "counters")
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 SMEM_SM90 = launch.SHARED_MEMORY_PER_BLOCK["sm_90"]
 SMEM_SM120 = launch.SHARED_MEMORY_PER_BLOCK["sm_120"]
 
@@ -76,7 +77,8 @@ def make_case(
     host_table = torch.full((S, P), -1, dtype=torch.int32)
     hot_blocks = torch.zeros(S, HB, dtype=torch.int32)
     hot_pos = torch.full((S, G, H), -1, dtype=torch.int32)
-    hot_lru = torch.zeros(S, G, H, dtype=torch.int32)
+    hot_stamp = torch.zeros(S, G, H, dtype=torch.int64)
+    hot_clock = torch.zeros(S, G, dtype=torch.int64)
     for r in range(S):
         if rng.random() >= no_hot_region:
             hot_blocks[r] = torch.tensor([next(free) for _ in range(HB)], dtype=torch.int32)
@@ -89,7 +91,7 @@ def make_case(
             cached = rng.sample(range(seq_lens[r] + 8), min(int(hot_fill * H), seq_lens[r] + 8))
             for slot, pos in zip(rng.sample(range(H), len(cached)), cached, strict=True):
                 hot_pos[r, g, slot] = pos
-            hot_lru[r, g] = torch.randperm(H, generator=torch.Generator().manual_seed(seed * 131 + r * 7 + g))
+            hot_stamp[r, g], hot_clock[r, g] = random_stamps(rng, H)
         if hits_without_host is not None:
             for pos in hot_pos[r, hits_without_host].tolist():
                 if 0 <= pos < P * bs:
@@ -125,7 +127,8 @@ def make_case(
         "host_table": host_table,
         "hot_blocks": hot_blocks,
         "hot_pos": hot_pos,
-        "hot_lru": hot_lru,
+        "hot_stamp": hot_stamp,
+        "hot_clock": hot_clock,
         "heat": torch.randint(0, 5, (S, P), dtype=torch.int32, generator=gen),
         "status": torch.zeros(S, dtype=torch.int32),
         "counters": torch.tensor([3, 4, 5], dtype=torch.int64),
@@ -135,6 +138,30 @@ def make_case(
                         for _ in range(L)],
         "block_size": bs,
     }
+
+
+def stamp(clock: int, q_first: int) -> int:
+    """SPEC.md's stamp of a slot of U: the region's clock after the step, then the first request index."""
+    return (((clock << 32) | q_first) + 2**63) % 2**64 - 2**63  # as the i64 the kernel's u64 arithmetic gives
+
+
+def random_stamps(rng: random.Random, H: int) -> tuple[torch.Tensor, int]:
+    """An LRU of H slots as stamps and its clock. Every i64 is a legal stamp; four kinds of region: the stamps
+    steps and invalidations leave (clock << 32 | q, several slots of one step, emptied slots below them), distinct
+    stamps in random order (what a permutation gave), few values (ties everywhere, broken by slot), and the
+    extremes of i64 among them."""
+    kind = rng.randrange(4)
+    clock = rng.randint(1, 40)
+    if kind == 0:
+        values = [stamp(rng.randint(0, clock), rng.randrange(4 * H)) if rng.random() < 0.8 else -rng.randint(0, 3)
+                  for _ in range(H)]
+    elif kind == 1:
+        values = rng.sample(range(-H, 4 * H), H)
+    elif kind == 2:
+        values = [rng.randint(-1, 2) for _ in range(H)]
+    else:
+        values = [rng.choice([I64_MIN, I64_MAX, 0, -1, I64_MIN + 1, rng.randint(-5, 5)]) for _ in range(H)]
+    return torch.tensor(values, dtype=torch.int64), clock
 
 
 def cpu_copy(case: dict) -> dict:
@@ -220,13 +247,6 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
         a, d = rng.choice([0, HB - 2, rng.randrange(HB - 1)]), rng.randrange(2)
         case["hot_blocks"][r, a + d] = case["hot_blocks"][r, a + 1 - d]
         return r, HS_BAD_HOT
-    if what == "lru_range":
-        case["hot_lru"][r, group, rng.randrange(H)] = H if exact else rng.choice([H + 5, -2, 2**30])
-        return r, HS_BAD_HOT
-    if what == "lru_twice":
-        a, b = rng.sample(range(H), 2)
-        case["hot_lru"][r, group, a] = case["hot_lru"][r, group, b]
-        return r, HS_BAD_HOT
     if what == "hot_pos_twice":
         pos = rng.choice(hits + misses)
         held = (case["hot_pos"][r, group] == pos).nonzero().flatten().tolist()
@@ -240,7 +260,7 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
     raise ValueError(f"unknown corruption {what!r}")
 
 
-CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "hot_block_neighbours", "lru_range", "lru_twice",
+CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "hot_block_neighbours",
                "hot_pos_twice", "host_block")
 HS_OVERFLOW, HS_NO_HOST_COPY, HS_BAD_TABLE, HS_BAD_HOT = 1, 2, 4, 8  # SPEC.md's status bits
 
@@ -377,16 +397,16 @@ def _buf(t: torch.Tensor) -> tuple[int, int]:
 
 def run_invalidate(h: Harness, case: dict, pairs: torch.Tensor, *, seed: int, preempt: float) -> None:
     S, G, H = case["hot_pos"].shape
-    want_pos, want_lru = case["hot_pos"].clone(), case["hot_lru"].clone()
+    want_pos, want_stamp = case["hot_pos"].clone(), case["hot_stamp"].clone()
     valid = pairs.clone()
     valid[valid[:, 0] >= S, 0] = -1  # past S: refused by the reference, skipped by the kernel
     geometry = (case["block_size"], case["block_table"].shape[1], H, G, 16)
-    _core._ref_invalidate(geometry, _buf(want_pos), _buf(want_lru), _buf(valid))
-    got_pos, got_lru, dev_pairs = h.tensor(case["hot_pos"]), h.tensor(case["hot_lru"]), h.tensor(pairs)
-    h.run(ops.invalidate_launches(pairs=dev_pairs, hot_pos=got_pos, hot_lru=got_lru), seed, preempt)
+    _core._ref_invalidate(geometry, _buf(want_pos), _buf(want_stamp), _buf(valid))
+    got_pos, got_stamp, dev_pairs = h.tensor(case["hot_pos"]), h.tensor(case["hot_stamp"]), h.tensor(pairs)
+    h.run(ops.invalidate_launches(pairs=dev_pairs, hot_pos=got_pos, hot_stamp=got_stamp), seed, preempt)
     _assert_intact(h)
-    assert_same({"hot_pos": got_pos, "hot_lru": got_lru}, {"hot_pos": want_pos, "hot_lru": want_lru},
-                ("hot_pos", "hot_lru"))
+    assert_same({"hot_pos": got_pos, "hot_stamp": got_stamp}, {"hot_pos": want_pos, "hot_stamp": want_stamp},
+                ("hot_pos", "hot_stamp"))
 
 
 def _unique_destinations(pairs: list[list[int]], column: int) -> list[list[int]]:
@@ -555,13 +575,52 @@ def _corrupt_kind(what: str):
     return run
 
 
-def _lru_13_of_8(h: Harness, seed: int, preempt: float) -> None:
-    """The issue's demonstration: one LRU entry of 13 in an 8-slot region must not let request 0 write request
-    1's hot_pos or hot block."""
-    case = make_case(seed, S=2, R=2, H=8, K=8, P=8, bs=4, G=1, hot_fill=0.0, resident=0.0, dup=0.0)
-    case["row_state"] = torch.tensor([0, 1], dtype=torch.int32)
-    case["hot_lru"][0, 0, 3] = 13
-    run_resolve(h, case, group=0, seed=seed, preempt=preempt)
+def _stamp_ties(kind: str):
+    """The LRU's ties, which go by slot, where misses choose among them: ``fresh`` regions (every stamp 0, so the
+    misses take slots 0, 1, ...), ``same_step`` regions (the stamps one step leaves: each slot of U stamped with
+    the step's clock and its first request index, the rest older; a few values repeated, so that the |M| oldest
+    end inside a run of equal stamps and the slots below it hold equal stamps too) and ``invalidated`` ones
+    (resolve, invalidate some held positions, then resolve again: the emptied slots, all one stamp below the
+    smallest, go first, by slot). Every request misses more positions than its region has slots at the oldest
+    stamp, on every seed."""
+
+    def run(h: Harness, seed: int, preempt: float) -> None:
+        rng = random.Random(seed)
+        H = rng.choice([24, 64, 200])
+        case = make_case(seed, S=3, R=3, P=64, bs=4, G=1, H=H, K=H // 2 + 4, L=1, rb=16, resident=0.1, dup=0.2,
+                         hot_fill=0.0 if kind == "fresh" else 0.4, full_seq=True)
+        case["row_state"] = torch.tensor([0, 1, 2], dtype=torch.int32)
+        if kind == "fresh":
+            case["hot_stamp"].zero_()
+            case["hot_clock"].zero_()
+        elif kind == "same_step":
+            for r in range(3):
+                clock = rng.randint(1, 9)
+                old = [stamp(clock - 1, rng.choice([0, 3, 7])) for _ in range(H)]
+                step = sorted(rng.sample(range(2 * H), H // 3))
+                for slot, q in zip(rng.sample(range(H), H // 3), step, strict=True):
+                    old[slot] = stamp(clock, q)
+                case["hot_stamp"][r, 0] = torch.tensor(old, dtype=torch.int64)
+                case["hot_clock"][r, 0] = clock
+        run_resolve(h, case, group=0, seed=seed, preempt=preempt)
+        if kind != "invalidated":
+            return
+        # The state the first step left (checked equal just now), some held positions invalidated, a second step.
+        ref = cpu_copy(case)
+        ref["out"] = torch.zeros(case["topk"].shape, dtype=torch.int32)
+        resolve_reference(group=0, **ref)
+        case = {k: v for k, v in ref.items() if k != "out"}
+        held = [(r, int(p)) for r in range(3) for p in case["hot_pos"][r, 0].tolist() if p >= 0]
+        pairs = torch.tensor(rng.sample(held, max(1, len(held) // 3)), dtype=torch.int32)
+        run_invalidate(h, case, pairs, seed=seed, preempt=preempt)
+        geometry = (case["block_size"], case["block_table"].shape[1], H, 1, 16)
+        _core._ref_invalidate(geometry, _buf(case["hot_pos"]), _buf(case["hot_stamp"]), _buf(pairs))
+        n = case["block_table"].shape[1] * case["block_size"]
+        case["topk"] = torch.tensor([[rng.randrange(n) for _ in range(case["topk"].shape[1])] for _ in range(3)],
+                                    dtype=torch.int32)
+        run_resolve(h, case, group=0, seed=seed + 1, preempt=preempt)
+
+    return run
 
 
 def _bad_state_rows(h: Harness, seed: int, preempt: float) -> None:
@@ -591,7 +650,7 @@ def _sequence(h: Harness, seed: int, preempt: float) -> None:
                              dtype=torch.int32)
         run_invalidate(h, case, pairs, seed=seed * 10 + step, preempt=preempt)
         geometry = (case["block_size"], case["block_table"].shape[1], 48, 2, 16)
-        _core._ref_invalidate(geometry, _buf(case["hot_pos"]), _buf(case["hot_lru"]), _buf(pairs))
+        _core._ref_invalidate(geometry, _buf(case["hot_pos"]), _buf(case["hot_stamp"]), _buf(pairs))
 
 
 def _replay_layers(h: Harness, seed: int, preempt: float) -> None:
@@ -630,7 +689,7 @@ def _invalidate(corrupt_state: bool):
         )
         if corrupt_state:
             case["hot_pos"][1, 0, : min(3, H)] = known[0] if known else 5  # one position in several slots
-            case["hot_lru"][1, 1, 0] = case["hot_lru"][1, 1, H - 1]  # not a permutation: left alone
+            case["hot_stamp"][1, 1, 0] = I64_MIN  # the emptied slots' stamp saturates
             pairs[rng.randrange(n), 0] = 3 + rng.randrange(4)  # state rows past S: skipped
         run_invalidate(h, case, pairs, seed=seed, preempt=preempt)
 
@@ -671,9 +730,9 @@ def _small(seed: int, **changes) -> dict:
 def _bounds_resolve(h: Harness, seed: int, preempt: float) -> None:
     """Every bound resolve checks, at its exact value, one per request (accepting it would change that request's
     outputs, status or bytes): a block_table entry == gpu_blocks, a hot block == gpu_blocks, a host block ==
-    host_blocks, an LRU entry == H, seq_len == P * bs + 1 and -1; every row selects position P * bs (== seq_len
-    of the others); and a batch row names state row S (with S = 8 the index lands on the guard page after the
-    32-byte state vectors)."""
+    host_blocks, seq_len == P * bs + 1 and -1; every row selects position P * bs (== seq_len of the others); and a
+    batch row names state row S (with S = 8 the index lands on the guard page after the 32-byte state vectors).
+    Request 3 resolves as it is: the LRU has no bound to check (every stamp is legal)."""
     rng = random.Random(seed)
     case = _small(seed, S=8)
     gpu_blocks = case["gpu_layers"][0].shape[0] // 4
@@ -683,21 +742,23 @@ def _bounds_resolve(h: Harness, seed: int, preempt: float) -> None:
     case["block_table"][0, 1] = gpu_blocks
     case["hot_blocks"][1, 1] = gpu_blocks
     case["host_table"][2, 0] = host_blocks
-    case["hot_lru"][3, 0, rng.randrange(8)] = 8
     case["seq_lens"][4] = 33
     case["seq_lens"][5] = -1
     run_resolve(h, case, group=0, seed=seed, preempt=preempt,
-                expect=[(0, HS_BAD_TABLE), (1, HS_BAD_HOT), (2, HS_BAD_TABLE), (3, HS_BAD_HOT), (4, HS_BAD_TABLE),
-                        (5, HS_BAD_TABLE)])
+                expect=[(0, HS_BAD_TABLE), (1, HS_BAD_HOT), (2, HS_BAD_TABLE), (4, HS_BAD_TABLE), (5, HS_BAD_TABLE)])
 
 
 def _bounds_invalidate(h: Harness, seed: int, preempt: float) -> None:
-    """An LRU entry == H in a row whose slot a pair empties: the LRU must be left alone."""
+    """The smallest stamp there is (i64 min) in a region whose slot a pair empties: the emptied slot's stamp
+    saturates there instead of wrapping round to the newest; and one above it, where the stamp is min - 1 = i64 min
+    exactly."""
     rng = random.Random(seed)
     case = _small(seed, hot_fill=1.0)
-    case["hot_lru"][0, 0, rng.randrange(8)] = 8
+    case["hot_stamp"][0, 0, rng.randrange(8)] = I64_MIN
+    case["hot_stamp"][1, 0] = torch.full((8,), I64_MIN + 1, dtype=torch.int64)
     held = [int(p) for p in case["hot_pos"][0, 0] if p >= 0]
-    pairs = torch.tensor([[0, rng.choice(held)], [4, held[0]], [1, held[0]]], dtype=torch.int32)
+    held1 = [int(p) for p in case["hot_pos"][1, 0] if p >= 0]
+    pairs = torch.tensor([[0, rng.choice(held)], [4, held[0]], [1, rng.choice(held1)]], dtype=torch.int32)
     run_invalidate(h, case, pairs, seed=seed, preempt=preempt)
 
 
@@ -782,7 +843,9 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     **{f"corrupt_{what}": _corrupt_kind(what) for what in CORRUPTIONS},
     "corrupt_many": _resolve_kind({"S": 4, "R": 6, "H": 256, "K": 80, "P": 20, "bs": 4, "rows_per_state": 2,
                                    "hot_fill": 0.3}, 2, corruptions=4),
-    "lru_13_of_8": _lru_13_of_8,
+    "stamp_ties_fresh": _stamp_ties("fresh"),
+    "stamp_ties_same_step": _stamp_ties("same_step"),
+    "stamp_ties_invalidated": _stamp_ties("invalidated"),
     "bounds_resolve": _bounds_resolve,
     "bounds_invalidate": _bounds_invalidate,
     "hot_blocks_past_one_window": _hot_blocks_past_one_window,

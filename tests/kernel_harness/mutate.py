@@ -3,7 +3,8 @@
 - every ``__syncthreads();`` removed in turn;
 - every ``__syncthreads_or(x)`` replaced by the thread's own ``(x)`` (no barrier, no block-wide OR);
 - ``SEMANTIC``: each bound the kernels check moved by one (``>=`` to ``>``...), the hot-block checks undone, the
-  windowed path's windows one position too wide, and atomics on shared global words made plain ``+=``.
+  windowed path's windows one position too wide, atomics on shared global words made plain ``+=``, and the LRU's
+  stamps misordered, misselected or miswritten.
 
 A mutant the suite does not catch is a barrier whose removal the harness cannot see (the barrier is not needed,
 or the suite misses a case), a bound that no case draws at its exact value, or a race the harness's race check
@@ -38,7 +39,10 @@ from kernel_harness.run import run_suite
 
 BARRIER = re.compile(r"\b__syncthreads\(\);")
 BARRIER_OR = re.compile(r"\b__syncthreads_or(?=\()")
-MUTANT_SECONDS = 90  # a mutant that hangs (a probe of a table nobody cleared) is caught by the clock
+# A mutant whose suite finishes no case in this long hangs (a probe of a table nobody cleared): caught by the clock.
+# The limit is per case, not per suite: a mutant the suite misses runs every round, which takes longer than any
+# one case, and must be reported as missed, not as hung.
+CASE_SECONDS = 90
 
 # (file, text, replacement, what): each text occurs once in its file (the check fails otherwise, so that an edit
 # of the kernels cannot silently retire a mutant). Each must be caught by some case drawing the exact bound.
@@ -73,8 +77,6 @@ SEMANTIC = [
      "resolve checks the first window of hot blocks only"),
     ("resolve.cu", "host_block >= host_blocks ? HS_BAD_TABLE", "host_block > host_blocks ? HS_BAD_TABLE",
      "resolve takes host block == host_blocks"),
-    ("common.cuh", "if (s >= (u32)H) {\n      bad = true;", "if (s > (u32)H) {\n      bad = true;",
-     "the LRU permutation check (resolve, invalidate) takes entry == H"),
     # A window of the windowed path that takes one position too many (the first of the next window).
     ("resolve.cu", "(u32)pos - w < window) atomicMin", "(u32)pos - w <= window) atomicMin",
      "windowed first occurrences record position == window end"),
@@ -91,6 +93,21 @@ SEMANTIC = [
     ("resolve.cu", "atomicAdd(&counters[1], (u64)n_miss);", "counters[1] += (u64)n_miss;",
      "resolve counts misses with a plain += (CTAs race)"),
     ("resolve.cu", "j0 += per_round)", "j0 += per_round + 1)", "resolve's copies skip a row between rounds"),
+    # The LRU as stamps: the order (ascending (stamp, slot)), the |M|-oldest select, the stamps a step writes.
+    ("resolve.cu", "(other == key && j0 + b < c)", "(false)", "resolve's LRU select breaks ties by stamp alone"),
+    ("resolve.cu", "return (u64)stamp ^ (1ull << 63);", "return (u64)stamp;",
+     "resolve's LRU select orders stamps as unsigned (negative ones last)"),
+    ("resolve.cu", "int left = count;", "int left = count + 1;", "resolve's LRU select takes the |M| + 1-th oldest"),
+    ("resolve.cu", "make_stamp(clock, q);", "make_stamp(clock, gi);",
+     "resolve's short path stamps with the batch-row index (gi), not the request's (q)"),
+    ("resolve.cu", "hot_clock[(i64)r * G + g] = s_clock + 1;", "hot_clock[(i64)r * G + g] = s_clock;",
+     "resolve leaves the region's clock where it was"),
+    ("resolve.cu", "if (!((u32)mark & CLAIM_BIT) && atomicCAS", "if (atomicCAS",
+     "resolve's short path lets a second slot take a claimed position"),
+    ("resolve.cu", "mark & CLAIM_BIT ? mark & ~(U_BIT | CLAIM_BIT) : HS_NONE", "mark & ~(U_BIT | CLAIM_BIT)",
+     "resolve's phase A2 takes a miss for a hit"),
+    ("resolve.cu", "smallest == (i64)(1ull << 63) ? smallest : smallest - 1", "smallest - 1",
+     "invalidate's stamp wraps below the smallest i64"),
     ("resolve.cu", "bad |= a < b && hb_row[a] == hb_row[b];", "bad |= a + 1 < b && hb_row[a] == hb_row[b];",
      "resolve's pairwise hot-block check skips neighbours"),
 ]
@@ -133,7 +150,8 @@ def start_child(library: Path, rounds: int) -> tuple[int, int]:
         os.close(read)
         code = 1
         try:
-            report = run_suite(Harness(library), list(KINDS), rounds, first_failure=True)
+            report = run_suite(Harness(library), list(KINDS), rounds, first_failure=True,
+                               progress=lambda: os.write(write, b"."))
             os.write(write, json.dumps(report).encode())
             code = 0
         finally:
@@ -142,9 +160,11 @@ def start_child(library: Path, rounds: int) -> tuple[int, int]:
     return pid, read
 
 
-def finish_child(pid: int, fd: int, deadline: float) -> tuple[str, dict | None]:
-    """Waits for the child (killing it at the deadline); returns (how it ended, its report)."""
+def finish_child(pid: int, fd: int, case_seconds: float) -> tuple[str, dict | None]:
+    """Waits for the child (killing it when it finishes no case in ``case_seconds``: a dot on the pipe per case,
+    then the report); returns (how it ended, its report)."""
     chunks = []
+    deadline = time.monotonic() + case_seconds
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -158,13 +178,14 @@ def finish_child(pid: int, fd: int, deadline: float) -> tuple[str, dict | None]:
             if not data:
                 break
             chunks.append(data)
+            deadline = time.monotonic() + case_seconds
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         return f"the suite died ({signal.Signals(os.WTERMSIG(status)).name})", None
     if not chunks:
         return f"the suite failed to report (exit status {os.WEXITSTATUS(status)})", None
-    return "report", json.loads(b"".join(chunks))
+    return "report", json.loads(b"".join(chunks).lstrip(b"."))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 pid, fd = start_child(build_mutant(name, text, workdir), args.rounds)
                 running.append((label, pid, fd, time.monotonic()))
             entry, pid, fd, began = running.pop(0)
-            how, report = finish_child(pid, fd, began + MUTANT_SECONDS)
+            how, report = finish_child(pid, fd, CASE_SECONDS)
             entry["seconds"] = round(time.monotonic() - began, 1)
             if report is None:
                 entry.update(caught=True, how=how)

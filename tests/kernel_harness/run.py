@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernel_harness import Harness, HarnessError, build
@@ -20,8 +21,10 @@ from kernel_harness.cases import KINDS, SLOW
 PREEMPT = (0.0, 0.05, 0.3)
 
 
-def run_suite(h: Harness, kinds: list[str], rounds: int, seed: int = 0, first_failure: bool = False) -> dict:
-    """Runs the kinds for ``rounds`` rounds on ``h``; returns the report (see the module docstring)."""
+def run_suite(h: Harness, kinds: list[str], rounds: int, seed: int = 0, first_failure: bool = False,
+              progress: Callable[[], None] | None = None) -> dict:
+    """Runs the kinds for ``rounds`` rounds on ``h``; returns the report (see the module docstring). ``progress``
+    is called after every case (the mutation check tells a hung mutant from a slow suite by it)."""
     start = time.monotonic()
     runs: dict[str, int] = {}
     failures = []
@@ -39,6 +42,8 @@ def run_suite(h: Harness, kinds: list[str], rounds: int, seed: int = 0, first_fa
             finally:
                 h.free()
             runs[kind] = runs.get(kind, 0) + 1
+            if progress is not None:
+                progress()
             if failures and first_failure:
                 break
         if failures and first_failure:

@@ -36,9 +36,9 @@ RESOLVE_THREADS = 1024
 INVALIDATE_THREADS = 256
 COPY_THREADS = 256
 INVALIDATE_BATCH = 2048  # INVALIDATE_BATCH in cuda/resolve.cu: pairs per pass of its position set
-# Static shared memory of the kernels that have any, at most (ptxas reports 128-160 bytes; the compile test
-# checks this bound on every architecture CI compiles for).
-STATIC_SHARED = {"hisparse_resolve": 256, "hisparse_invalidate": 256, "hisparse_replay": 256}
+# Static shared memory of the kernels that have any, at most (the compile test checks this bound on every
+# architecture CI compiles for): resolve's scalars and warp sums, and the 1 KiB histogram of its LRU select.
+STATIC_SHARED = {"hisparse_resolve": 1280, "hisparse_invalidate": 256, "hisparse_replay": 256}
 # resolve's hash table: at least 4 entries per thread (table_insert_min claims at most limit + blockDim - 1
 # entries, with limit = 3/4 of the capacity), and 4/3 entries per selected position, so that a request that
 # selects no more distinct positions than its batch rows hold stays on the hash path.
@@ -116,8 +116,8 @@ def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_reque
 
 
 def invalidate_shared(hot_rows: int) -> int:
-    """Dynamic shared memory of invalidate: its position set, then two bits per hot slot."""
-    return 4 * 2 * INVALIDATE_BATCH + 2 * 4 * math.ceil(hot_rows / 32)
+    """Dynamic shared memory of invalidate: its position set, then one bit per hot slot."""
+    return 4 * 2 * INVALIDATE_BATCH + 4 * math.ceil(hot_rows / 32)
 
 
 def replay_shared(batch_rows: int) -> int:

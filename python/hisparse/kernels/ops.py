@@ -258,7 +258,8 @@ def resolve_launches(
     host_table: torch.Tensor,
     hot_blocks: torch.Tensor,
     hot_pos: torch.Tensor,
-    hot_lru: torch.Tensor,
+    hot_stamp: torch.Tensor,
+    hot_clock: torch.Tensor,
     heat: torch.Tensor,
     status: torch.Tensor,
     counters: torch.Tensor,
@@ -282,8 +283,8 @@ def resolve_launches(
     P = block_table.shape[1]
     shared = sizes.resolve_shared(top_k=K, hot_rows=H, batch_rows=R, rows_per_request=rows_per_request,
                                   limit=max_smem)
-    tensors = (topk, row_state, seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat, status,
-               counters, out, miss_plan, miss_count, layers)
+    tensors = (topk, row_state, seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_stamp, hot_clock, heat,
+               status, counters, out, miss_plan, miss_count, layers)
     args = (*map(_ptr, tensors), *_ints(R, K, S, P, G, H, hot_blocks.shape[1], group, num_layers, block_size,
                                          row_bytes, gpu_rows // block_size, host_rows // block_size,
                                          shared.capacity))
@@ -327,10 +328,11 @@ def copy_blocks_launches(*, pairs: torch.Tensor, layers: int, num_layers: int, b
     return [KernelLaunch("hisparse_copy_blocks", (grid, 1), sizes.COPY_THREADS, 0, args)]
 
 
-def invalidate_launches(*, pairs: torch.Tensor, hot_pos: torch.Tensor, hot_lru: torch.Tensor) -> list[KernelLaunch]:
+def invalidate_launches(*, pairs: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor
+                        ) -> list[KernelLaunch]:
     n = pairs.shape[0]
     S, G, H = hot_pos.shape
-    args = (_ptr(pairs), *_ints(n), _ptr(hot_pos), _ptr(hot_lru), *_ints(G, H))
+    args = (_ptr(pairs), *_ints(n), _ptr(hot_pos), _ptr(hot_stamp), *_ints(G, H))
     return [KernelLaunch("hisparse_invalidate", (S, G), sizes.INVALIDATE_THREADS, sizes.invalidate_shared(H), args)]
 
 
@@ -346,7 +348,8 @@ def resolve(
     host_table: torch.Tensor,
     hot_blocks: torch.Tensor,
     hot_pos: torch.Tensor,
-    hot_lru: torch.Tensor,
+    hot_stamp: torch.Tensor,
+    hot_clock: torch.Tensor,
     heat: torch.Tensor,
     status: torch.Tensor,
     counters: torch.Tensor,
@@ -383,7 +386,8 @@ def resolve(
     _check("seq_lens", seq_lens, i32, (S,), device)
     _check("host_table", host_table, i32, (S, P), device)
     _check("hot_blocks", hot_blocks, i32, (S, HB), device)
-    _check("hot_lru", hot_lru, i32, (S, G, H), device)
+    _check("hot_stamp", hot_stamp, torch.int64, (S, G, H), device)
+    _check("hot_clock", hot_clock, torch.int64, (S, G), device)
     _check("heat", heat, i32, (S, P), device)
     _check("status", status, i32, (S,), device)
     _check("counters", counters, torch.int64, (3,), device)
@@ -409,7 +413,8 @@ def resolve(
     dev = _device(device.index)
     launches = resolve_launches(
         topk=topk, row_state=row_state, seq_lens=seq_lens, block_table=block_table, host_table=host_table,
-        hot_blocks=hot_blocks, hot_pos=hot_pos, hot_lru=hot_lru, heat=heat, status=status, counters=counters,
+        hot_blocks=hot_blocks, hot_pos=hot_pos, hot_stamp=hot_stamp, hot_clock=hot_clock, heat=heat, status=status,
+        counters=counters,
         out=out, miss_plan=miss_plan, miss_count=miss_count, group=group, block_size=block_size,
         layers=lay.table.data_ptr(), num_layers=lay.count, row_bytes=lay.row_bytes, gpu_rows=lay.gpu_rows,
         host_rows=lay.host_rows, rows_per_request=rows_per_request, max_smem=dev.max_smem,
@@ -499,14 +504,14 @@ def copy_blocks(
                                                 sm_count=_device(device.index).sm_count))
 
 
-def invalidate(*, pairs: torch.Tensor, hot_pos: torch.Tensor, hot_lru: torch.Tensor) -> None:
+def invalidate(*, pairs: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
     """invalidate(pairs) of SPEC.md: pairs int32 [n, 2] of (state row, position), for every group."""
     device = _cuda_device("pairs", pairs)
     (n, _) = _check("pairs", pairs, torch.int32, (None, 2), device).shape
     S, G, H = _check("hot_pos", hot_pos, torch.int32, (None, None, None), device).shape
-    _check("hot_lru", hot_lru, torch.int32, (S, G, H), device)
+    _check("hot_stamp", hot_stamp, torch.int64, (S, G, H), device)
     _below_int32(**{"pairs": 2 * n})
     if G > 65535:
         raise ConfigError(f"{G} index groups: invalidate's grid takes at most 65535")
     if n and S and G and H:
-        _run(device.index, invalidate_launches(pairs=pairs, hot_pos=hot_pos, hot_lru=hot_lru))
+        _run(device.index, invalidate_launches(pairs=pairs, hot_pos=hot_pos, hot_stamp=hot_stamp))

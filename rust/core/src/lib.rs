@@ -7,7 +7,8 @@
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
-//! - [`lru_stamps`]: the hot region's LRU as stamps, proven against the permutation `reference` keeps.
+//! - [`lru_stamps`]: the hot region's LRU as stamps (the rules `reference` follows), proven against the
+//!   permutation it replaced.
 //! - [`reference`]: the CPU specification of every kernel in `cuda/` (see `cuda/SPEC.md`).
 //! - [`worker`]: applying a step plan to a worker's state, slab and host pool.
 

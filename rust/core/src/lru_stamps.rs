@@ -1,21 +1,51 @@
-//! The hot region's LRU as stamps (`../shared/research/resolve-design.md`, proposal 1), beside the permutation
-//! `cuda/SPEC.md` specifies today: a model, and the proof that it evicts exactly what the permutation evicts.
+//! The hot region's LRU as stamps (`../shared/research/resolve-design.md`, proposal 1): the rules that
+//! `cuda/SPEC.md` states, which `reference.rs` and the kernels follow, and the proof that they evict exactly what
+//! the permutation SPEC.md specified before (a list of the slots, least recently used first) evicted.
 //!
 //! Each slot holds an `i64` stamp; the LRU order is ascending `(stamp, slot)`, so a fresh region (all 0) is slot
-//! order. A resolve step that succeeds gives each slot of U the stamp `clock << 15 | q_first`, where `clock` is
-//! the group's step count after this step (every earlier stamp is smaller) and `q_first < 2^15` the request
-//! index of the position's first occurrence (U's order, so within the step the stamps follow U's order).
-//! Misses take the `|M|` oldest slots that no hit holds. `invalidate` gives its emptied slots `min - 1`, `min`
-//! the smallest stamp of the region: they come first, ascending by slot. Every stamp value is a legal state,
-//! and a step writes the stamps of U's slots only: no O(H) check or rewrite.
+//! order. A resolve step that succeeds gives each slot of U the stamp `clock << 32 | q_first`, where `clock` is
+//! the group's step count after this step (every earlier stamp is smaller) and `q_first` the request index of the
+//! position's first occurrence (U's order, so within the step the stamps follow U's order). Misses take the `|M|`
+//! oldest slots that no hit holds. `invalidate` gives its emptied slots `min - 1`, `min` the smallest stamp of the
+//! region: they come first, ascending by slot. Every stamp value is a legal state, and a step writes the stamps
+//! of U's slots only: no O(H) check or rewrite.
 //!
-//! Nothing runs on it yet: the kernels and the reference still keep the permutation. `tests` runs both models
-//! through random resolve and invalidate sequences and compares every eviction choice and the whole order.
+//! `q_first` takes the low 32 bits: a request's rows x top-K stays below 2^31 (the launcher keeps R * K there), so
+//! no request index reaches the clock's bits, however many rows a request has. (15 bits, as the design study has
+//! it, would hold rows x top-K <= 32,768, which nothing enforces.) The clock counts the steps since the region was
+//! reset (`apply`), far below 2^31; the arithmetic wraps like the kernels' if it ever were not.
+//!
+//! `tests` runs the stamps and the permutation model through random resolve and invalidate sequences and compares
+//! every eviction choice and the whole order.
 
 use std::collections::HashSet;
 
-/// Request indices a step may stamp: rows x top-K of one request, below `2^Q_BITS`.
-pub const Q_BITS: u32 = 15;
+/// Bits of a stamp below the clock: the request index of the first occurrence.
+pub const Q_BITS: u32 = 32;
+
+/// The stamp a successful step with clock `clock` (the count after the step) gives a slot of U whose position
+/// first occurs at request index `q_first`.
+pub fn stamp(clock: i64, q_first: u32) -> i64 {
+    ((clock as u64) << Q_BITS | u64::from(q_first)) as i64
+}
+
+/// The slots least recently used first: ascending `(stamp, slot)`.
+pub fn order(stamps: &[i64]) -> Vec<usize> {
+    let mut slots: Vec<usize> = (0..stamps.len()).collect();
+    slots.sort_by_key(|&s| (stamps[s], s));
+    slots
+}
+
+/// SPEC's `E[0 .. misses)`: the `misses` oldest slots that hold no hit, oldest first.
+pub fn evictions(stamps: &[i64], hit_slots: &HashSet<usize>, misses: usize) -> Vec<usize> {
+    order(stamps).into_iter().filter(|s| !hit_slots.contains(s)).take(misses).collect()
+}
+
+/// The stamp `invalidate` gives emptied slots: one below the region's smallest, so they come first (ahead of a
+/// slot stamped `i64::MIN`, which only corrupt state holds, they come by slot: the subtraction saturates).
+pub fn front(stamps: &[i64]) -> i64 {
+    stamps.iter().copied().min().unwrap_or(0).saturating_sub(1)
+}
 
 /// One group's LRU over `H` slots, as stamps.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,16 +61,12 @@ impl StampLru {
         StampLru { stamps: vec![0; hot_rows], clock: 0 }
     }
 
-    /// The slots least recently used first: ascending `(stamp, slot)`, the permutation SPEC's `hot_lru` holds.
     pub fn order(&self) -> Vec<usize> {
-        let mut slots: Vec<usize> = (0..self.stamps.len()).collect();
-        slots.sort_by_key(|&s| (self.stamps[s], s));
-        slots
+        order(&self.stamps)
     }
 
-    /// SPEC's `E[0 .. misses)`: the `misses` oldest slots that hold no hit, oldest first.
     pub fn evictions(&self, hit_slots: &HashSet<usize>, misses: usize) -> Vec<usize> {
-        self.order().into_iter().filter(|s| !hit_slots.contains(s)).take(misses).collect()
+        evictions(&self.stamps, hit_slots, misses)
     }
 
     /// A successful step: `u` holds U's slots (hits' and the slots misses took) with the request index of
@@ -49,10 +75,9 @@ impl StampLru {
         if u.is_empty() {
             return;
         }
-        self.clock += 1;
+        self.clock = self.clock.wrapping_add(1);
         for &(slot, q_first) in u {
-            debug_assert!(q_first < 1 << Q_BITS);
-            self.stamps[slot] = self.clock << Q_BITS | i64::from(q_first);
+            self.stamps[slot] = stamp(self.clock, q_first);
         }
     }
 
@@ -61,7 +86,7 @@ impl StampLru {
         if emptied.is_empty() {
             return;
         }
-        let front = self.stamps.iter().copied().min().unwrap_or(0) - 1;
+        let front = front(&self.stamps);
         for &s in emptied {
             self.stamps[s] = front;
         }
@@ -72,8 +97,8 @@ impl StampLru {
 mod tests {
     use super::*;
 
-    /// SPEC.md's permutation model of one group's hot state (positions and LRU), the way `reference.rs`
-    /// updates it.
+    /// The permutation model of one group's hot state (positions, and the slots least recently used first) that
+    /// SPEC.md specified before the stamps: steps 5-6 of resolve, and invalidate's emptied slots to the front.
     struct Permutation {
         hot_pos: Vec<i32>,
         lru: Vec<usize>,

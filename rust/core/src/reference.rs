@@ -1,14 +1,15 @@
 //! The CPU reference of the data path: `cuda/SPEC.md` as code. The CUDA kernels must match these
 //! functions bit for bit (outputs, hot state, LRU order, counters, heat, status, copied bytes).
 //!
-//! Two kinds of bad input, as SPEC.md sorts them: corrupt state (a table entry out of range, an LRU
-//! that is not a permutation...) is skipped and flagged in `status`, as the kernels do; a malformed
+//! Two kinds of bad input, as SPEC.md sorts them: corrupt state (a table entry out of range, a hot
+//! block named twice...) is skipped and flagged in `status`, as the kernels do; a malformed
 //! argument (a length, a state row, a row outside its slab) is refused with `InvalidArgument` before
 //! anything is written, since the caller can be told.
 
 use std::collections::HashMap;
 
 use crate::error::{invalid, Result};
+use crate::lru_stamps;
 
 /// Sizes shared by all state tensors.
 #[derive(Clone, Copy, Debug)]
@@ -35,7 +36,10 @@ pub struct ResolveState<'a> {
     pub host_table: &'a [i32],
     pub hot_blocks: &'a [i32],
     pub hot_pos: &'a mut [i32],
-    pub hot_lru: &'a mut [i32],
+    /// `[S, G, H]`: the LRU as stamps, ascending `(stamp, slot)` least recently used first (`lru_stamps`).
+    pub hot_stamp: &'a mut [i64],
+    /// `[S, G]`: successful steps of each region since its reset; the next one stamps with `clock + 1`.
+    pub hot_clock: &'a mut [i64],
     pub heat: &'a mut [i32],
     pub status: &'a mut [i32],
     pub counters: &'a mut [i64],
@@ -53,6 +57,14 @@ pub const STATUS_NO_HOST_COPY: i32 = 2;
 pub const STATUS_BAD_TABLE: i32 = 4;
 pub const STATUS_BAD_HOT: i32 = 8;
 
+/// A successful request's new hot state for its group: the hot_pos row, the stamps (slot, stamp) of U's slots
+/// (the others keep theirs) and the region's clock.
+struct HotUpdate {
+    pos: Vec<i32>,
+    stamps: Vec<(usize, i64)>,
+    clock: i64,
+}
+
 /// What resolving one request will change, computed before anything is written.
 struct RequestOutcome {
     row: usize,
@@ -60,8 +72,8 @@ struct RequestOutcome {
     outputs: Vec<(usize, i32)>,
     heat_pages: Vec<usize>,
     status: i32,
-    /// New (hot_pos, hot_lru) rows, and (GPU row, host row) copies, when the request succeeds.
-    hot: Option<(Vec<i32>, Vec<i32>)>,
+    /// The new hot state when the request succeeds, and (GPU row, host row) copies.
+    hot: Option<HotUpdate>,
     copies: Vec<(usize, usize)>,
     hits: i64,
 }
@@ -90,7 +102,8 @@ impl ResolveState<'_> {
         check_len("host_table", self.host_table.len(), s * p)?;
         check_len("hot_blocks", self.hot_blocks.len(), s * geo.hot_blocks())?;
         check_len("hot_pos", self.hot_pos.len(), s * g * h)?;
-        check_len("hot_lru", self.hot_lru.len(), s * g * h)?;
+        check_len("hot_stamp", self.hot_stamp.len(), s * g * h)?;
+        check_len("hot_clock", self.hot_clock.len(), s * g)?;
         check_len("heat", self.heat.len(), s * p)?;
         check_len("status", self.status.len(), s)?;
         check_len("counters", self.counters.len(), 3)?;
@@ -179,10 +192,13 @@ pub fn resolve(
             st.heat[o.row * geo.pages + page] += 1;
         }
         st.status[o.row] |= o.status;
-        let Some((pos, lru)) = o.hot else { continue };
+        let Some(HotUpdate { pos, stamps, clock }) = o.hot else { continue };
         let base = (o.row * g + group) * h;
         st.hot_pos[base..base + h].copy_from_slice(&pos);
-        st.hot_lru[base..base + h].copy_from_slice(&lru);
+        for (slot, stamp) in stamps {
+            st.hot_stamp[base + slot] = stamp;
+        }
+        st.hot_clock[o.row * g + group] = clock;
         let misses = o.copies.len() as i64;
         for &(dst, src) in &o.copies {
             for l in layers.iter_mut() {
@@ -201,14 +217,6 @@ pub fn resolve(
 struct Blocks {
     gpu: usize,
     host: usize,
-}
-
-/// Whether `hot_lru` holds every slot `0 .. hot_lru.len()` exactly once.
-fn is_permutation(hot_lru: &[i32]) -> bool {
-    let mut seen = vec![false; hot_lru.len()];
-    hot_lru
-        .iter()
-        .all(|&s| (s as u32 as usize) < seen.len() && !std::mem::replace(&mut seen[s as usize], true))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -240,8 +248,10 @@ fn resolve_request(
     }
     let mut seen: HashMap<i32, ()> = HashMap::new();
     let mut union: Vec<i32> = Vec::new();
+    // The request index (row-major over the request's rows) of each position of U's first occurrence.
+    let mut q_first: Vec<u32> = Vec::new();
     let mut unresolved: Vec<(usize, i32)> = Vec::new();
-    for &i in batch_rows {
+    for (o, &i) in batch_rows.iter().enumerate() {
         for j in 0..top_k {
             let flat = i * top_k + j;
             let pos = topk[flat];
@@ -258,6 +268,7 @@ fn resolve_request(
             if block == 0 {
                 if first {
                     union.push(pos);
+                    q_first.push((o * top_k + j) as u32);
                 }
                 unresolved.push((flat, pos));
             } else if block > 0 && (block as usize) < blocks.gpu {
@@ -289,10 +300,7 @@ fn resolve_request(
     }
     let base = (r * geo.groups + group) * h;
     let hot_pos = &st.hot_pos[base..base + h];
-    let hot_lru = &st.hot_lru[base..base + h];
-    if !is_permutation(hot_lru) {
-        return fail(outcome, STATUS_BAD_HOT);
-    }
+    let hot_stamp = &st.hot_stamp[base..base + h];
     // Slot of each selected position that a slot holds; a selected position held twice is corrupt (other
     // duplicates are harmless until they are selected).
     let wanted: HashMap<i32, ()> = union.iter().map(|&pos| (pos, ())).collect();
@@ -320,8 +328,7 @@ fn resolve_request(
         return fail(outcome, host_status);
     }
     let hit_slots: std::collections::HashSet<usize> = slot_of.values().copied().collect();
-    let evictable: Vec<usize> =
-        hot_lru.iter().map(|&s| s as usize).filter(|s| !hit_slots.contains(s)).collect();
+    let evictable = lru_stamps::evictions(hot_stamp, &hit_slots, misses.len());
     let hot_row = |slot: usize| hot_blocks[slot / bs] as usize * bs + slot % bs;
     let mut new_pos = hot_pos.to_vec();
     for (k, &pos) in misses.iter().enumerate() {
@@ -330,11 +337,13 @@ fn resolve_request(
         slot_of.insert(pos, slot);
         outcome.copies.push((hot_row(slot), hosts[k]));
     }
-    let mut new_lru: Vec<i32> = evictable[misses.len()..].iter().map(|&s| s as i32).collect();
-    new_lru.extend(union.iter().map(|pos| slot_of[pos] as i32));
+    // Step 6: what was selected becomes most recent, in U's order; the other slots keep their stamps.
+    let clock = st.hot_clock[r * geo.groups + group].wrapping_add(1);
+    let stamps =
+        union.iter().zip(&q_first).map(|(pos, &q)| (slot_of[pos], lru_stamps::stamp(clock, q))).collect();
     outcome.outputs.extend(unresolved.iter().map(|&(flat, pos)| (flat, hot_row(slot_of[&pos]) as i32)));
     outcome.hits = (union.len() - misses.len()) as i64;
-    outcome.hot = Some((new_pos, new_lru));
+    outcome.hot = Some(HotUpdate { pos: new_pos, stamps, clock });
     outcome
 }
 
@@ -411,14 +420,15 @@ pub fn copy_units(
     Ok(())
 }
 
-/// `invalidate` of SPEC.md: pairs of (state row, position).
-pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_lru: &mut [i32], pairs: &[i32]) -> Result<()> {
+/// `invalidate` of SPEC.md: pairs of (state row, position). Emptied slots take the stamp one below the
+/// region's smallest (`lru_stamps::front`), so they come first, ascending by slot.
+pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_stamp: &mut [i64], pairs: &[i32]) -> Result<()> {
     let h = geo.hot_rows;
     if h == 0 || geo.groups == 0 || hot_pos.len() % (geo.groups * h) != 0 {
         return invalid("hot_pos must be [rows, groups, hot_rows] with groups and hot_rows positive");
     }
     let rows = hot_pos.len() / (geo.groups * h);
-    check_len("hot_lru", hot_lru.len(), hot_pos.len())?;
+    check_len("hot_stamp", hot_stamp.len(), hot_pos.len())?;
     if pairs.len() % 2 != 0 {
         return invalid("pairs must have shape [n, 2]");
     }
@@ -433,20 +443,14 @@ pub fn invalidate(geo: &Geometry, hot_pos: &mut [i32], hot_lru: &mut [i32], pair
         }
         for g in 0..geo.groups {
             let base = (r * geo.groups + g) * h;
-            let mut emptied = vec![false; h];
+            let stamps = &mut hot_stamp[base..base + h];
+            let front = lru_stamps::front(stamps);
             for (slot, pos) in hot_pos[base..base + h].iter_mut().enumerate() {
                 if targets.contains(pos) {
                     *pos = -1;
-                    emptied[slot] = true;
+                    stamps[slot] = front;
                 }
             }
-            let lru = &mut hot_lru[base..base + h];
-            if !emptied.contains(&true) || !is_permutation(lru) {
-                continue;
-            }
-            let mut order: Vec<i32> = (0..h as i32).filter(|&s| emptied[s as usize]).collect();
-            order.extend(lru.iter().copied().filter(|&s| !emptied[s as usize]));
-            lru.copy_from_slice(&order);
         }
     }
     Ok(())

@@ -1,4 +1,5 @@
 use super::*;
+use crate::lru_stamps::{order, stamp};
 
 const RB: usize = 16;
 
@@ -10,7 +11,8 @@ struct Fixture {
     host_table: Vec<i32>,
     hot_blocks: Vec<i32>,
     hot_pos: Vec<i32>,
-    hot_lru: Vec<i32>,
+    hot_stamp: Vec<i64>,
+    hot_clock: Vec<i64>,
     heat: Vec<i32>,
     status: Vec<i32>,
     counters: Vec<i64>,
@@ -31,7 +33,8 @@ impl Fixture {
             host_table: vec![1, -1, 2, -1],
             hot_blocks: vec![6, 7],
             hot_pos: vec![-1; 4],
-            hot_lru: vec![0, 1, 2, 3],
+            hot_stamp: vec![0; 4],
+            hot_clock: vec![0],
             heat: vec![0; 4],
             status: vec![0],
             counters: vec![0; 3],
@@ -47,7 +50,8 @@ impl Fixture {
             host_table: &self.host_table,
             hot_blocks: &self.hot_blocks,
             hot_pos: &mut self.hot_pos,
-            hot_lru: &mut self.hot_lru,
+            hot_stamp: &mut self.hot_stamp,
+            hot_clock: &mut self.hot_clock,
             heat: &mut self.heat,
             status: &mut self.status,
             counters: &mut self.counters,
@@ -69,7 +73,9 @@ fn resident_hot_and_miss_rows_resolve_as_specified() {
     // Misses take the oldest slots 0 and 1: hot rows 6*2+0 = 12 and 6*2+1 = 13.
     assert_eq!(out, vec![6, 12, 13, -1, 12, -1]);
     assert_eq!(f.hot_pos, vec![0, 4, -1, -1]);
-    assert_eq!(f.hot_lru, vec![2, 3, 0, 1]);
+    // U = [0 (request index 1), 4 (index 2)]: stamped with clock 1 in U's order; slots 2 and 3 keep stamp 0.
+    assert_eq!(f.hot_stamp, vec![stamp(1, 1), stamp(1, 2), 0, 0]);
+    assert_eq!((order(&f.hot_stamp), f.hot_clock.clone()), (vec![2, 3, 0, 1], vec![1]));
     assert_eq!(f.heat, vec![1, 1, 1, 0]);
     assert_eq!(f.counters, vec![0, 2, 2 * RB as i64]);
     // Position 0 is host row 1*2+0 = 2, position 4 is host row 2*2+0 = 4.
@@ -81,7 +87,8 @@ fn resident_hot_and_miss_rows_resolve_as_specified() {
     assert_eq!(out, vec![14, 13, 15]);
     assert_eq!(f.hot_pos, vec![0, 4, 5, 1]);
     // Untouched slot 0 first, then the selected ones in order of first selection.
-    assert_eq!(f.hot_lru, vec![0, 2, 1, 3]);
+    assert_eq!(f.hot_stamp, vec![stamp(1, 1), stamp(2, 1), stamp(2, 0), stamp(2, 2)]);
+    assert_eq!((order(&f.hot_stamp), f.hot_clock.clone()), (vec![0, 2, 1, 3], vec![2]));
     assert_eq!(f.counters, vec![1, 4, 4 * RB as i64]);
 }
 
@@ -149,14 +156,16 @@ fn a_seq_len_past_the_pages_is_clamped_and_flagged() {
 
 /// Resolves two misses (positions 0 and 4) and returns what changed, or `None` when nothing but heat
 /// and status did.
-fn hot_state_after(f: &mut Fixture) -> Option<(Vec<i32>, Vec<i32>)> {
-    let before = (f.hot_pos.clone(), f.hot_lru.clone(), f.counters.clone(), f.gpu.clone());
+fn hot_state_after(f: &mut Fixture) -> Option<(Vec<i32>, Vec<i64>)> {
+    let state =
+        |f: &Fixture| (f.hot_pos.clone(), f.hot_stamp.clone(), f.hot_clock.clone(), f.counters.clone());
+    let before = (state(f), f.gpu.clone());
     let out = f.resolve(&[0, 4], 2, &[0]).unwrap();
     if out == vec![-1, -1] {
-        assert_eq!(before, (f.hot_pos.clone(), f.hot_lru.clone(), f.counters.clone(), f.gpu.clone()));
+        assert_eq!(before, (state(f), f.gpu.clone()));
         return None;
     }
-    Some((f.hot_pos.clone(), f.hot_lru.clone()))
+    Some((f.hot_pos.clone(), f.hot_stamp.clone()))
 }
 
 /// A named corruption of a fresh fixture and the status it must raise.
@@ -164,12 +173,10 @@ type Corruption = (&'static str, fn(&mut Fixture), i32);
 
 #[test]
 fn corrupt_hot_state_fails_the_request_without_writes() {
-    let cases: [Corruption; 7] = [
+    let cases: [Corruption; 5] = [
         ("hot block 8 (== GPU blocks)", |f| f.hot_blocks[1] = 8, STATUS_BAD_HOT),
         ("hot block 0 after the first", |f| f.hot_blocks[1] = 0, STATUS_BAD_HOT),
         ("one hot block twice", |f| f.hot_blocks[1] = 6, STATUS_BAD_HOT),
-        ("LRU entry out of range", |f| f.hot_lru[2] = 13, STATUS_BAD_HOT),
-        ("LRU entry twice", |f| f.hot_lru[2] = 0, STATUS_BAD_HOT),
         ("a selected position in two slots", |f| f.hot_pos = vec![4, -1, 4, -1], STATUS_BAD_HOT),
         ("host block past the pool", |f| f.host_table[2] = 4, STATUS_BAD_TABLE),
     ];
@@ -186,9 +193,21 @@ fn corrupt_hot_state_fails_the_request_without_writes() {
 fn a_duplicate_that_is_not_selected_is_harmless() {
     let mut f = Fixture::new();
     f.hot_pos = vec![5, -1, 5, -1];
-    f.hot_lru = vec![1, 3, 0, 2];
-    assert_eq!(hot_state_after(&mut f), Some((vec![5, 0, 5, 4], vec![0, 2, 1, 3])));
+    f.hot_stamp = vec![7, -5, 8, -5]; // LRU order 1, 3 (a tie: by slot), 0, 2
+    let (pos, stamps) = hot_state_after(&mut f).unwrap();
+    assert_eq!((pos, stamps), (vec![5, 0, 5, 4], vec![7, stamp(1, 0), 8, stamp(1, 1)]));
     assert_eq!(f.status, vec![0]);
+}
+
+#[test]
+fn every_stamp_is_a_legal_state_and_ties_go_by_slot() {
+    // The extremes and a tie: LRU order 0, 2 (MIN, by slot), 3, 1. Misses 0 and 4 take slots 0 and 2.
+    let mut f = Fixture::new();
+    f.hot_stamp = vec![i64::MIN, i64::MAX, i64::MIN, -1];
+    f.hot_clock = vec![41];
+    let want = (vec![0, -1, 4, -1], vec![stamp(42, 0), i64::MAX, stamp(42, 1), -1]);
+    assert_eq!(hot_state_after(&mut f), Some(want));
+    assert_eq!((f.status.clone(), f.hot_clock.clone()), (vec![0], vec![42]));
 }
 
 #[test]
@@ -203,22 +222,24 @@ fn missing_and_bad_host_copies_both_flag() {
 fn invalidate_empties_slots_and_moves_them_to_the_front_in_slot_order() {
     let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 1, row_bytes: RB };
     let mut pos = vec![7, 3, 9, 1];
-    let mut lru = vec![2, 0, 3, 1];
-    invalidate(&geo, &mut pos, &mut lru, &[0, 1, 0, 9, -1, 3, 0, 9, 0, -5]).unwrap();
+    let mut stamps = vec![11, 13, 10, 12]; // LRU order 2, 0, 3, 1
+    invalidate(&geo, &mut pos, &mut stamps, &[0, 1, 0, 9, -1, 3, 0, 9, 0, -5]).unwrap();
     assert_eq!(pos, vec![7, 3, -1, -1]);
-    assert_eq!(lru, vec![2, 3, 0, 1]);
+    assert_eq!(stamps, vec![11, 13, 9, 9]);
+    assert_eq!(order(&stamps), vec![2, 3, 0, 1]);
 }
 
 #[test]
-fn invalidate_empties_every_duplicate_and_leaves_a_corrupt_lru_alone() {
+fn invalidate_empties_every_duplicate_in_every_group() {
     let geo = Geometry { block_size: 2, pages: 4, hot_rows: 4, groups: 2, row_bytes: RB };
-    // Row 0 group 0 holds 5 twice; group 1's LRU names slot 1 twice.
+    // Row 0 group 0 holds 5 twice; group 1 holds the smallest stamp there is.
     let mut pos = vec![5, 2, 5, 6, 5, 8, -1, 2];
-    let mut lru = vec![3, 2, 1, 0, 1, 1, 0, 2];
-    invalidate(&geo, &mut pos, &mut lru, &[0, 5, 0, 2]).unwrap();
+    let mut stamps = vec![3, 2, 1, 0, i64::MIN, 7, 7, 0];
+    invalidate(&geo, &mut pos, &mut stamps, &[0, 5, 0, 2]).unwrap();
     assert_eq!(pos, vec![-1, -1, -1, 6, -1, 8, -1, -1]);
-    assert_eq!(lru, vec![0, 1, 2, 3, 1, 1, 0, 2]);
-    assert!(invalidate(&geo, &mut pos, &mut lru, &[1, 5]).is_err(), "state row 1 of 1");
+    // Group 0: one below its smallest (0). Group 1: i64::MIN already, so the emptied slots tie with it.
+    assert_eq!(stamps, vec![-1, -1, -1, 0, i64::MIN, 7, 7, i64::MIN]);
+    assert!(invalidate(&geo, &mut pos, &mut stamps, &[1, 5]).is_err(), "state row 1 of 1");
 }
 
 #[test]

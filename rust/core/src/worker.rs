@@ -19,7 +19,9 @@ pub struct WorkerState<'a> {
     pub row_request: &'a mut [i64],
     pub hot_blocks: &'a mut [i32],
     pub hot_pos: &'a mut [i32],
-    pub hot_lru: &'a mut [i32],
+    /// `[S, G, H]` and `[S, G]`: the LRU as stamps and each region's clock (`crate::lru_stamps`).
+    pub hot_stamp: &'a mut [i64],
+    pub hot_clock: &'a mut [i64],
     pub heat: &'a mut [i32],
     pub status: &'a mut [i32],
 }
@@ -48,7 +50,8 @@ impl WorkerState<'_> {
             ("status", self.status.len(), s),
             ("hot_blocks", self.hot_blocks.len(), s * hb),
             ("hot_pos", self.hot_pos.len(), s * gh),
-            ("hot_lru", self.hot_lru.len(), s * gh),
+            ("hot_stamp", self.hot_stamp.len(), s * gh),
+            ("hot_clock", self.hot_clock.len(), s * geo.groups),
         ];
         if let Some((name, got, want)) = lens.iter().find(|(_, got, want)| got != want) {
             return invalid(format!("{name} has {got} elements, expected {want}"));
@@ -66,9 +69,9 @@ impl WorkerState<'_> {
         slots.iter_mut().zip(blocks).for_each(|(s, &b)| *s = b as i32);
         let gh = geo.groups * geo.hot_rows;
         self.hot_pos[row * gh..(row + 1) * gh].fill(-1);
-        for (i, slot) in self.hot_lru[row * gh..(row + 1) * gh].iter_mut().enumerate() {
-            *slot = (i % geo.hot_rows) as i32;
-        }
+        // A fresh region: every stamp 0 (slot order), its clock 0.
+        self.hot_stamp[row * gh..(row + 1) * gh].fill(0);
+        self.hot_clock[row * geo.groups..(row + 1) * geo.groups].fill(0);
     }
 }
 
@@ -284,7 +287,10 @@ mod tests {
     const S: usize = 2;
 
     struct Tensors {
-        i32s: [Vec<i32>; 7],
+        i32s: [Vec<i32>; 6],
+        /// hot_stamp, hot_clock
+        hot_stamp: Vec<i64>,
+        hot_clock: Vec<i64>,
         releasable: Vec<u8>,
         row_request: Vec<i64>,
         gpu: Vec<u8>,
@@ -295,16 +301,11 @@ mod tests {
         fn new() -> Self {
             let (p, gh) = (S * GEO.pages, S * GEO.groups * GEO.hot_rows);
             Tensors {
-                // seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat (+ status below)
-                i32s: [
-                    vec![0; S],
-                    vec![0; p],
-                    vec![-1; p],
-                    vec![0; S * 2],
-                    vec![-1; gh],
-                    vec![0; gh],
-                    vec![3; p],
-                ],
+                // seq_lens, block_table, host_table, hot_blocks, hot_pos, heat (+ status below)
+                i32s: [vec![0; S], vec![0; p], vec![-1; p], vec![0; S * 2], vec![-1; gh], vec![3; p]],
+                // not a fresh region's: apply must reset them
+                hot_stamp: vec![9; gh],
+                hot_clock: vec![5; S * GEO.groups],
                 releasable: vec![0; p],
                 row_request: vec![-1; S],
                 // 6 GPU blocks and 5 host blocks of 2 rows of 16 bytes; each byte says where it is.
@@ -315,7 +316,7 @@ mod tests {
 
         fn apply(&mut self, plan: &StepPlan) -> Result<()> {
             let mut status = vec![0; S];
-            let [seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat] = &mut self.i32s;
+            let [seq_lens, block_table, host_table, hot_blocks, hot_pos, heat] = &mut self.i32s;
             let mut st = WorkerState {
                 seq_lens,
                 block_table,
@@ -324,7 +325,8 @@ mod tests {
                 row_request: &mut self.row_request,
                 hot_blocks,
                 hot_pos,
-                hot_lru,
+                hot_stamp: &mut self.hot_stamp,
+                hot_clock: &mut self.hot_clock,
                 heat,
                 status: &mut status,
             };
@@ -353,7 +355,7 @@ mod tests {
         let mut t = Tensors::new();
         let (gpu0, host0) = (t.gpu.clone(), t.host.clone());
         t.apply(&plan()).unwrap();
-        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, _] = &t.i32s;
+        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, _] = &t.i32s;
         assert_eq!(seq_lens, &[0, 5]);
         assert_eq!(t.row_request[1] as u64, u64::MAX - 1);
         assert_eq!(block_table[4..], [3, 0, 4, 0]);
@@ -361,12 +363,14 @@ mod tests {
         assert_eq!(t.releasable[4..], [1, 0, 0, 0]);
         assert_eq!(hot_blocks, &[0, 0, 1, 2]);
         assert_eq!(hot_pos[8..], [-1; 8]);
-        assert_eq!(hot_lru[8..], [0, 1, 2, 3, 0, 1, 2, 3]);
+        // Row 1's regions are fresh (stamps 0: slot order, clocks 0); row 0's are untouched.
+        assert_eq!((&t.hot_stamp[..8], &t.hot_stamp[8..]), (&[9; 8][..], &[0; 8][..]));
+        assert_eq!(t.hot_clock, [5, 5, 0, 0]);
         assert_eq!(t.gpu[96..128], host0[64..96]); // block 3 restored from host block 2
         assert_eq!(t.host[0..32], gpu0[128..160]); // block 4 copied to host block 0
                                                    // Clearing the row resets every table, the heat and the hot region.
         t.apply(&StepPlan { cleared_rows: vec![1], ..StepPlan::default() }).unwrap();
-        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, _, heat] = &t.i32s;
+        let [seq_lens, block_table, host_table, hot_blocks, hot_pos, heat] = &t.i32s;
         assert_eq!((seq_lens[1], t.row_request[1]), (0, -1));
         assert_eq!(
             (&block_table[4..], &host_table[4..], &heat[4..]),

@@ -35,13 +35,13 @@ unsafe fn layer_views<'a>(gpu: &[Buf], host: &[Buf]) -> Vec<LayerSlabs<'a>> {
     gpu.iter().zip(host).map(|(&g, &h)| LayerSlabs { gpu: view_mut(g), host: view_mut(h) }).collect()
 }
 
-/// `state`: seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_lru, heat, status, counters.
+/// `state`: seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_stamp, hot_clock, heat, status, counters.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn _ref_resolve(
     py: Python<'_>,
     geometry: (usize, usize, usize, usize, usize),
-    state: [Buf; 9],
+    state: [Buf; 10],
     topk: Buf,
     top_k: usize,
     row_state: Buf,
@@ -59,10 +59,11 @@ pub fn _ref_resolve(
             host_table: view(state[2]),
             hot_blocks: view(state[3]),
             hot_pos: view_mut(state[4]),
-            hot_lru: view_mut(state[5]),
-            heat: view_mut(state[6]),
-            status: view_mut(state[7]),
-            counters: view_mut(state[8]),
+            hot_stamp: view_mut(state[5]),
+            hot_clock: view_mut(state[6]),
+            heat: view_mut(state[7]),
+            status: view_mut(state[8]),
+            counters: view_mut(state[9]),
         };
         let mut layers = layer_views(&gpu_layers, &host_layers);
         let batch = Batch { topk: view(topk), top_k, row_state: view(row_state) };
@@ -100,24 +101,24 @@ pub fn _ref_invalidate(
     py: Python<'_>,
     geometry: (usize, usize, usize, usize, usize),
     hot_pos: Buf,
-    hot_lru: Buf,
+    hot_stamp: Buf,
     pairs: Buf,
 ) -> PyResult<()> {
     let (block_size, pages, hot_rows, groups, row_bytes) = geometry;
     let geo = Geometry { block_size, pages, hot_rows, groups, row_bytes };
-    py.detach(|| unsafe { reference::invalidate(&geo, view_mut(hot_pos), view_mut(hot_lru), view(pairs)) })
+    py.detach(|| unsafe { reference::invalidate(&geo, view_mut(hot_pos), view_mut(hot_stamp), view(pairs)) })
         .py()
 }
 
 /// What `_ref_apply` writes, checked once by `hisparse.datapath` and kept for as long as the tensors are:
 /// `apply` runs every step, and converting a dozen (address, length) pairs from Python each time would
 /// cost more than applying a decode step's plan. `state`: seq_lens, block_table, host_table, releasable,
-/// row_request, hot_blocks, hot_pos, hot_lru, heat, status. `geometry`: (pages, block_size, groups,
+/// row_request, hot_blocks, hot_pos, hot_stamp, hot_clock, heat, status. `geometry`: (pages, block_size, groups,
 /// hot_rows, row_bytes).
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct ApplyBuffers {
     geo: WorkerGeometry,
-    state: [Buf; 10],
+    state: [Buf; 11],
     gpu: Vec<Buf>,
     host: Vec<Buf>,
 }
@@ -127,7 +128,7 @@ impl ApplyBuffers {
     #[new]
     fn new(
         geometry: (usize, usize, usize, usize, usize),
-        state: [Buf; 10],
+        state: [Buf; 11],
         gpu: Vec<Buf>,
         host: Vec<Buf>,
     ) -> Self {
@@ -161,9 +162,10 @@ pub fn _ref_apply<'py>(
                 row_request: view_mut(state[4]),
                 hot_blocks: view_mut(state[5]),
                 hot_pos: view_mut(state[6]),
-                hot_lru: view_mut(state[7]),
-                heat: view_mut(state[8]),
-                status: view_mut(state[9]),
+                hot_stamp: view_mut(state[7]),
+                hot_clock: view_mut(state[8]),
+                heat: view_mut(state[9]),
+                status: view_mut(state[10]),
             };
             let mut layers = layer_views(gpu_layers, host_layers);
             worker::apply_plan(plan, geo, &mut st, &mut layers)?;
