@@ -232,6 +232,7 @@ class PoolPolicy:
         *,
         free_blocks: int,
         running: int,
+        reading_host: int,
         owed_hot_blocks: int,
         may_take_hot: bool,
     ) -> bool: ...

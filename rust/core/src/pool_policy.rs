@@ -99,6 +99,9 @@ pub struct PoolState {
     pub free_blocks: usize,
     /// Requests holding blocks.
     pub running: usize,
+    /// Of them, those reading through their hot region already: their new pages are released once
+    /// copied, so they grow by an indexer block a page, where the others keep every block of every page.
+    pub reading_host: usize,
     /// Blocks still owed to the hot regions of requests already asked to take one.
     pub owed_hot_blocks: usize,
     /// Some running request has no hot region yet and may still take one.
@@ -175,8 +178,10 @@ impl PoolShape {
     }
 
     /// Whether `ask` may start now: the pool keeps, after its peak need, the hot regions owed to requests
-    /// already asked to transition, one more hot region while a running request may still take one, and a
-    /// page of growth for every running request. Its peak need is counted as if nothing of its prefix were
+    /// already asked to transition, one more hot region while a running request may still take one, and
+    /// room to grow: a page for every running request that keeps its pages, and an indexer block for every
+    /// one that reads through its hot region plus one page for them all (their pages go back to the pool
+    /// as they are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is counted as if nothing of its prefix were
     /// on the GPU: every indexer page (one block each), two admission windows of resident pages (the next
     /// chunk is allocated, with the hot region, before the window that filled up is released), and a hot
     /// region unless it is short, when it will read through one: a prompt longer than one window, a prefix
@@ -196,7 +201,11 @@ impl PoolShape {
             need += self.hot_blocks;
         }
         let spare_hot = if pool.may_take_hot { self.hot_blocks } else { 0 };
-        let reserve = pool.owed_hot_blocks + spare_hot + pool.running * (self.blocks_per_page + 1);
+        let page = self.blocks_per_page + 1;
+        let reading_host = pool.reading_host.min(pool.running);
+        let growth =
+            (pool.running - reading_host) * page + reading_host + usize::from(reading_host > 0) * page;
+        let reserve = pool.owed_hot_blocks + spare_hot + growth;
         free - need as i64 >= reserve as i64
     }
 }
@@ -431,12 +440,23 @@ mod tests {
         assert!(s.has_headroom(&long, &PoolState { free_blocks: long_need, ..empty }));
         assert!(!s.has_headroom(&long, &PoolState { free_blocks: long_need - 1, ..empty }));
         // Running requests: a page of growth each, the hot regions owed, and one more while one may take it.
-        let pool = PoolState { free_blocks: 4000, running: 3, owed_hot_blocks: 384, may_take_hot: true };
+        let pool = PoolState {
+            free_blocks: 4000,
+            running: 3,
+            reading_host: 0,
+            owed_hot_blocks: 384,
+            may_take_hot: true,
+        };
         let reserve = 3 * 7 + 384 + 384;
         assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve, ..pool }));
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..pool }));
         let none_may = PoolState { may_take_hot: false, ..pool };
         assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 384, ..none_may }));
+        // Two of them read through their hot regions: an indexer block each, and one page for both.
+        let two_host = PoolState { reading_host: 2, ..pool };
+        let reserve = 7 + 2 + 7 + 384 + 384;
+        assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve, ..two_host }));
+        assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..two_host }));
         // A pool that cannot hold even the request's pages.
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 0, ..empty }));
     }

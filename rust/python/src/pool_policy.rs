@@ -117,11 +117,12 @@ impl PoolPolicy {
 
     /// Whether a waiting request of ``tokens`` (``computed_tokens`` of them a prefix hit, scheduled up to
     /// ``chunk_tokens`` a step, ``short``: never takes a hot region) may start in a pool of ``free_blocks``
-    /// with ``running`` requests holding blocks, ``owed_hot_blocks`` still owed to hot regions asked for, and
-    /// ``may_take_hot`` when a running request may still take one (``pool_policy.rs``).
+    /// with ``running`` requests holding blocks (``reading_host`` of them through their hot regions),
+    /// ``owed_hot_blocks`` still owed to hot regions asked for, and ``may_take_hot`` when a running request may
+    /// still take one (``pool_policy.rs``).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, short, *, free_blocks, running, owed_hot_blocks,
-                        may_take_hot))]
+    #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, short, *, free_blocks, running, reading_host,
+                        owed_hot_blocks, may_take_hot))]
     fn has_headroom(
         &self,
         tokens: usize,
@@ -130,10 +131,12 @@ impl PoolPolicy {
         short: bool,
         free_blocks: usize,
         running: usize,
+        reading_host: usize,
         owed_hot_blocks: usize,
         may_take_hot: bool,
     ) -> bool {
         let ask = Admission { tokens, computed_tokens, chunk_tokens, short };
-        self.shape.has_headroom(&ask, &PoolState { free_blocks, running, owed_hot_blocks, may_take_hot })
+        let pool = PoolState { free_blocks, running, reading_host, owed_hot_blocks, may_take_hot };
+        self.shape.has_headroom(&ask, &pool)
     }
 }

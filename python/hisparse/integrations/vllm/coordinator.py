@@ -18,7 +18,9 @@ the decisions that are policy (package docstring):
                       admitted only while the pool keeps, after its peak need (every indexer page, two
                       admission windows of resident pages, its hot region), the hot regions owed to requests
                       already asked to transition, one more hot region while a running request has none,
-                      and a page of growth for every running request. vLLM admits against unpinned pages
+                      and room to grow (a page for every running request that keeps its pages, an indexer
+                      block for every one reading through its hot region, whose pages go back as they are
+                      copied, and one page for those together). vLLM admits against unpinned pages
                       as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one, and the rest of
@@ -162,11 +164,12 @@ class HisparseCoordinator(HiSparseCoordinator):
         """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers."""
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
-        may_take_hot = any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid)
-                           for rid in self.resident_managers[0].req_to_blocks)
+        running = self.resident_managers[0].req_to_blocks
+        reading_host = sum(1 for rid in running if self._can_read_from_host(rid))
+        may_take_hot = any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid) for rid in running)
         return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, short,
                                        free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
-                                       owed_hot_blocks=owed, may_take_hot=may_take_hot)
+                                       reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
 
     def advance_scheduled(self, requests) -> None:
         super().advance_scheduled(requests)
