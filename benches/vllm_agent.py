@@ -59,6 +59,8 @@ Reading the line (one JSON object on stdout): ``config`` (the scaled sizes), the
   stops at the first wrong row and the mode reports ``error`` instead);
 - ``host_pool_peak_gib`` / ``host_pool_end_gib``: HiSparse host-pool blocks in use x host block bytes (none in
   ``offload``); ``tier_gib`` / ``tier_peak_gib``: the offloading tier's size and its peak chunks in use;
+- ``kv_layout``: what vLLM's planner made of the GPU memory (:func:`kv_layout`): blocks, blocks per page,
+  tokens it holds fully resident, a hot region's blocks;
 - ``drafts_accepted`` / ``drafts_rejected``, ``wall_s`` (this mode's run, build included; the top level's
   ``wall_s`` is the whole sweep's);
 - hisparse modes: ``counters``, the coordinator's admission and transition decisions;
@@ -77,8 +79,15 @@ completes jobs 1-3 steps late), where a real client sends it as soon as the answ
 therefore reads lower than the published run would at the same memory, in every mode; ``--output-tokens``
 keeps answers longer (at the cost of their ratio to the context) to see how much.
 
-    .venv/bin/python benches/vllm_agent.py [--concurrency 1 8 16 32] [--modes offload native hisparse-coldest
-        hisparse-fifo] [--scale 16] [--turns 13] [--topk N] [--tier-cap-gib 8] [--output-tokens N] [--quick]
+``--workload short``: the short end instead (issue 19's outside run, unscaled): 10 conversations of 3 turns
+of 2-4K tokens (a 2,000-token first turn, 900 new tokens and a 100-token answer a turn), GLM-5.3's layout with
+the published top-K (2,048: a 160-block hot region per group, 3,360 blocks in all), MTP 3, async, 1 GiB of
+KV, 1 GiB offloading tiers; rows checked on layers 0 and 42 (a leader and a follower: the prefills are most of
+the reads here). The same line, ``config["workload"]`` saying which.
+
+    .venv/bin/python benches/vllm_agent.py [--workload published|short] [--concurrency 1 8 16 32]
+        [--modes offload native hisparse-coldest hisparse-fifo] [--scale 16] [--turns 13] [--topk N]
+        [--tier-cap-gib 8] [--output-tokens N] [--quick]
 
 ``--quick``: a smoke run, well under a minute (c = 2, 3 turns, S = 32, tiers capped at 1 GiB).
 Progress goes to stderr, one line per mode.
@@ -182,6 +191,18 @@ def scaled(scale: float, turns: int, top_k: int | None, tier_cap_gib: float, out
     }
 
 
+#: The short end (``--workload short``): issue 19's outside run, at full scale.
+SHORT = {"scale": 1.0, "first": 2_000, "later": 900, "output": 100, "turns": 3, "max_model_len": 4_608,
+         "max_num_batched_tokens": 8_192, "max_num_seqs": 256, "gpu_gib": 1.0, "hisparse_pool_gib": 8.0,
+         "offload_gib": 1.0, "baseline_offload_gib": 1.0, "top_k": PUBLISHED["top_k"],
+         "num_spec_tokens": PUBLISHED["num_spec_tokens"], "model": "glm5.3", "async_scheduling": True,
+         "checked_layers": [0, 42]}
+
+
+def short(turns: int | None, output: int | None) -> dict:
+    return {**SHORT, "turns": turns or SHORT["turns"], "output": output or SHORT["output"]}
+
+
 def conversations(cfg: dict, c: int) -> tuple[list, dict]:
     jobs, then = [], {}
     for i in range(c):
@@ -205,6 +226,22 @@ def _children(setup) -> dict:
     return {type(s).__module__.split(".")[0] + "." + type(s).__name__: s for s in subs}
 
 
+def kv_layout(setup) -> dict:
+    """What vLLM's planner made of the GPU KV memory: ``gpu_blocks`` in its shared pool, ``blocks_per_page``
+    (every group on the GPU but the hot ones holds a block per 64-token page), ``tokens_fully_resident`` (the
+    tokens the pool holds with every page on the GPU) and ``hot_region_blocks`` (a hot region, every hot
+    group's; vLLM gives one to any request that starts from a prefix hit)."""
+    from vllm.v1.kv_cache_interface import HiSparseHotSpec
+
+    kc = setup.kv_cache_config
+    groups = kc.kv_cache_groups
+    hot = [g for g in groups if isinstance(g.kv_cache_spec, HiSparseHotSpec)]
+    per_page = sum(1 for g in groups if not getattr(g, "host_resident", False) and g not in hot)
+    return {"gpu_blocks": kc.num_blocks, "blocks_per_page": per_page,
+            "tokens_fully_resident": kc.num_blocks // per_page * H.BLOCK,
+            "hot_region_blocks": sum(g.kv_cache_spec.blocks_per_request for g in hot)}
+
+
 def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
     start = time.perf_counter()
     engine, _, policy = mode.partition("-")
@@ -215,6 +252,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
                     host_pool_gib=cfg["hisparse_pool_gib"], extra={"policy": policy} if policy else None,
                     offload_gib=cfg["baseline_offload_gib" if engine == "plain" else "offload_gib"])
     children = _children(setup)
+    layout = kv_layout(setup)
     host_pool = block_bytes = None
     if engine != "plain":
         hs = children.get("hisparse.HiSparseConnector") or children["vllm.HiSparseConnector"]
@@ -224,7 +262,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
     tier = children["vllm.OffloadingConnector"].connector_scheduler.manager.primary_tier
     tier_bytes = cfg["baseline_offload_gib" if engine == "plain" else "offload_gib"] * 2**30
     chunk_bytes = tier_bytes / tier._num_chunks
-    worker = Worker(setup, layers=LAYERS, completion_lag=1, offload_seed=c)
+    worker = Worker(setup, layers=cfg["checked_layers"], completion_lag=1, offload_seed=c)
     samples = {"host": [], "tier": [], "free": []}
     gpu_pool = setup.scheduler.kv_cache_manager.block_pool
 
@@ -260,7 +298,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
         "tier_gib": round(tier_bytes / gib, 3),
         "tier_peak_gib": round(max(samples["tier"], default=0) * chunk_bytes / gib, 3),
         "drafts_accepted": stats.drafts_accepted, "drafts_rejected": stats.drafts_rejected,
-        "wall_s": round(time.perf_counter() - start, 1),
+        "kv_layout": layout, "wall_s": round(time.perf_counter() - start, 1),
     }
     if engine == "hisparse":
         out["counters"] = {k: v for k, v in sorted(coordinator.counters.items())
@@ -277,6 +315,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=("published", "short"), default="published")
     ap.add_argument("--concurrency", nargs="+", type=int, default=None)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--scale", type=float, default=None, help="divide published lengths and memory by this")
@@ -289,9 +328,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: c = 2, 3 turns, scale 32")
     args = ap.parse_args()
     quick = args.quick
-    concurrency = args.concurrency or ([2] if quick else list(CONCURRENCY))
-    cfg = scaled(args.scale or (32.0 if quick else 16.0), args.turns or (3 if quick else PUBLISHED["turns"]),
-                 args.topk, args.tier_cap_gib or (1.0 if quick else 8.0), args.output_tokens)
+    if args.workload == "short":
+        concurrency = args.concurrency or [10]
+        cfg = short(args.turns, args.output_tokens)
+    else:
+        concurrency = args.concurrency or ([2] if quick else list(CONCURRENCY))
+        cfg = scaled(args.scale or (32.0 if quick else 16.0), args.turns or (3 if quick else PUBLISHED["turns"]),
+                     args.topk, args.tier_cap_gib or (1.0 if quick else 8.0), args.output_tokens)
+    cfg["workload"] = args.workload
     # The harness reads its top-K from this module global (the specs' topk_buffer_width, the fake worker's
     # selections); vLLM's planner takes the specs' width over the model config's index_topk.
     H.TOP_K = cfg["top_k"]

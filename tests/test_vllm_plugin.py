@@ -77,7 +77,8 @@ def test_pool_policy_takes_the_cores_heat_summary():
         p.report(summary, ["only"], 2)
     with pytest.raises(hisparse_errors.InvalidArgumentError):
         p.report(b"not a summary", ["a"], 2)
-    assert not _core.PoolPolicy.worth_transition(64, 6, 384) and _core.PoolPolicy.worth_transition(65, 6, 384)
+    shaped = _core.PoolPolicy(blocks_per_page=6, hot_blocks=384)
+    assert not shaped.worth_transition(64) and shaped.worth_transition(65)
 
 
 def test_block_rows_mirror_what_vllms_scan_mirrors():

@@ -203,15 +203,40 @@ def _check_plan(
 class PoolPolicy:
     """Release and reuse order over a block pool that another engine (vLLM) owns; see ``pool_policy.rs``."""
 
-    def __init__(self) -> None: ...
+    def __init__(
+        self,
+        *,
+        block_size: int = 0,
+        blocks_per_page: int = 0,
+        hot_blocks: int = 0,
+        admission_pages: int = 0,
+        tail_pages: int = 0,
+        low_watermark: int = 0,
+    ) -> None: ...
     def report(
         self, summary: bytes | bytearray, request_ids: Sequence[str], hottest: int
     ) -> list[tuple[str, list[int], list[int]]]: ...
     def release_order(self, request: str, pages: Sequence[int]) -> list[int]: ...
     def forget(self, request: str) -> None: ...
     def __len__(self) -> int: ...
-    @staticmethod
-    def worth_transition(releasable_pages: int, blocks_per_page: int, hot_blocks: int) -> bool: ...
+    def worth_transition(self, releasable_pages: int) -> bool: ...
+    def transition(
+        self, fills_window: bool, free_blocks: int, admission_waiting: bool, releasable_pages: int
+    ) -> Literal["stay", "declined", "postponed", "take"]: ...
+    def never_takes_hot_region(self, longest_tokens: int) -> bool: ...
+    def has_headroom(
+        self,
+        tokens: int,
+        computed_tokens: int,
+        chunk_tokens: int,
+        short: bool,
+        *,
+        free_blocks: int,
+        running: int,
+        reading_host: int,
+        owed_hot_blocks: int,
+        may_take_hot: bool,
+    ) -> bool: ...
 
 class BlockRows:
     """vLLM's per-request block rows (each resident group's, residency changes applied, and the host's), recorded

@@ -18,6 +18,9 @@
 //!   resident group) every interval.
 //! - [`worth_transition`]: a request moves to reading through a hot region only when the pages it would
 //!   release free more blocks than the region costs.
+//! - [`PoolShape`]: the admission and transition decisions on vLLM's counts ([`PoolShape::transition`],
+//!   [`PoolShape::has_headroom`], [`PoolShape::never_takes_hot_region`]): the vLLM adapter gathers the counts
+//!   from vLLM's managers and asks here.
 //!
 //! A summary comes from vLLM's worker (`hisparse.integrations.vllm.heat`) with the request ids of its
 //! batch: its `requests` are indices into them. `fifo` never reports heat.
@@ -57,15 +60,176 @@ pub struct Moves {
     pub back: Vec<u32>,
 }
 
-/// Per-request selection heat and the orders derived from it (module docs).
+/// vLLM's HiSparse layout as the decisions see it; every count is in blocks of vLLM's shared GPU pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolShape {
+    /// Tokens per page (vLLM's block size).
+    pub block_size: usize,
+    /// Blocks a page holds while resident: one per resident group.
+    pub blocks_per_page: usize,
+    /// Blocks a hot region costs, every hot group's together.
+    pub hot_blocks: usize,
+    /// Resident pages admission reserves for a request (vLLM's `max_admission_blocks_per_request`): one
+    /// that holds them all moves to its hot region whatever the pool holds.
+    pub admission_pages: usize,
+    /// Pages at a request's tail that are never released (vLLM's `ACTIVE_TAIL_PAGES`).
+    pub tail_pages: usize,
+    /// Free blocks under which vLLM counts the pool as low (its coordinator's `transition_watermark`).
+    pub low_watermark: usize,
+}
+
+/// A waiting request, as [`PoolShape::has_headroom`] counts it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Its tokens (prompt, and output so far when it resumes).
+    pub tokens: usize,
+    /// Of them, a prefix hit.
+    pub computed_tokens: usize,
+    /// The most tokens a step schedules for it (vLLM's `max_num_batched_tokens`): its admission window.
+    pub chunk_tokens: usize,
+    /// Too short ever to take a hot region ([`PoolShape::never_takes_hot_region`] of its longest length,
+    /// with no prefix hit).
+    pub short: bool,
+}
+
+/// vLLM's pool as an admission finds it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolState {
+    /// Free blocks (vLLM counts released, still readable pages as free).
+    pub free_blocks: usize,
+    /// Requests holding blocks.
+    pub running: usize,
+    /// Of them, those reading through their hot region already: their new pages are released once
+    /// copied, so they grow by an indexer block a page, where the others keep every block of every page.
+    pub reading_host: usize,
+    /// Blocks still owed to the hot regions of requests already asked to take one.
+    pub owed_hot_blocks: usize,
+    /// Some running request has no hot region yet and may still take one.
+    pub may_take_hot: bool,
+}
+
+/// What [`PoolShape::transition`] decides for a request that does not read through a hot region yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// The pool is not low and the request is within its admission window: nothing to do.
+    Stay,
+    /// The pool is low, but releasing the request's pages would free no more than its region costs.
+    Declined,
+    /// Worth it, but the pool cannot grant the region now without vLLM preempting someone: wait for room.
+    Postponed,
+    /// Take a hot region.
+    Take,
+}
+
+impl Transition {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transition::Stay => "stay",
+            Transition::Declined => "declined",
+            Transition::Postponed => "postponed",
+            Transition::Take => "take",
+        }
+    }
+}
+
+impl PoolShape {
+    fn pages(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size.max(1))
+    }
+
+    /// Whether releasing `releasable_pages` pages frees more blocks than a hot region costs ([`worth_transition`]).
+    pub fn worth_transition(&self, releasable_pages: usize) -> bool {
+        worth_transition(releasable_pages, self.blocks_per_page, self.hot_blocks)
+    }
+
+    /// Under `coldest`, for a request not reading through a hot region yet: `fills_window` (it holds the
+    /// resident pages admission reserved for it), `free_blocks` in vLLM's pool, `admission_waiting` (an
+    /// admission was deferred this step, which counts as a low pool), `releasable_pages` (its pages outside
+    /// the tail not released yet). Filling the admission window always moves it (pinned pages past the
+    /// window could outgrow the pool); a low pool moves it only when that pays and the pool can grant the
+    /// region without vLLM preempting anyone.
+    pub fn transition(
+        &self,
+        fills_window: bool,
+        free_blocks: usize,
+        admission_waiting: bool,
+        releasable_pages: usize,
+    ) -> Transition {
+        if fills_window {
+            return Transition::Take;
+        }
+        if free_blocks >= self.low_watermark && !admission_waiting {
+            Transition::Stay
+        } else if !self.worth_transition(releasable_pages) {
+            Transition::Declined
+        } else if free_blocks < self.hot_blocks {
+            Transition::Postponed
+        } else {
+            Transition::Take
+        }
+    }
+
+    /// Whether a request that never grows past `longest_tokens` can never be moved to a hot region
+    /// ([`Self::transition`]): it never fills its admission window, and its releasable pages never free
+    /// more blocks than a region costs.
+    pub fn never_takes_hot_region(&self, longest_tokens: usize) -> bool {
+        let pages = self.pages(longest_tokens);
+        pages < self.admission_pages && !self.worth_transition(pages.saturating_sub(self.tail_pages))
+    }
+
+    /// Whether `ask` may start now: the pool keeps, after its peak need, the hot regions owed to requests
+    /// already asked to transition, one more hot region while a running request may still take one, and
+    /// room to grow: a page for every running request that keeps its pages, and an indexer block for every
+    /// one that reads through its hot region plus one page for them all (their pages go back to the pool
+    /// as they are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is counted as if nothing of its prefix were
+    /// on the GPU: every indexer page (one block each), two admission windows of resident pages (the next
+    /// chunk is allocated, with the hot region, before the window that filled up is released), and a hot
+    /// region unless it is short, when it will read through one: a prompt longer than one window, a prefix
+    /// hit (its pages may be on the host only, and vLLM gives any prefix hit a hot region), or a pool left
+    /// low enough to move it at once.
+    pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
+        let pages = self.pages(ask.tokens);
+        let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));
+        let window = self.pages(ask.chunk_tokens);
+        let mut need = pages + new_pages.min(2 * window) * self.blocks_per_page;
+        let free = pool.free_blocks as i64;
+        if !ask.short
+            && (new_pages > window
+                || ask.computed_tokens > 0
+                || free - (need as i64) < self.low_watermark as i64)
+        {
+            need += self.hot_blocks;
+        }
+        let spare_hot = if pool.may_take_hot { self.hot_blocks } else { 0 };
+        let page = self.blocks_per_page + 1;
+        let reading_host = pool.reading_host.min(pool.running);
+        let growth =
+            (pool.running - reading_host) * page + reading_host + usize::from(reading_host > 0) * page;
+        let reserve = pool.owed_hot_blocks + spare_hot + growth;
+        free - need as i64 >= reserve as i64
+    }
+}
+
+/// Per-request selection heat and the orders derived from it (module docs), and the decisions on vLLM's
+/// counts for its pool's [`PoolShape`].
 #[derive(Debug, Default)]
 pub struct PoolPolicy {
     requests: HashMap<String, Ranking>,
+    shape: PoolShape,
 }
 
 impl PoolPolicy {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A policy deciding for a pool of this shape.
+    pub fn with_shape(shape: PoolShape) -> Self {
+        Self { shape, ..Self::default() }
+    }
+
+    pub fn shape(&self) -> &PoolShape {
+        &self.shape
     }
 
     /// Takes a worker's summary: `summary.requests[i]` is an index into `request_ids`, and each request it
@@ -209,11 +373,107 @@ mod tests {
         assert!(p.is_empty());
     }
 
+    /// DeepSeek-V3.2 under vLLM (block 64, 6 resident groups, a hot region of 6 x 64 blocks), a pool of
+    /// 4,000 blocks, a 128-page admission window, vLLM's 2 tail pages and a watermark of a tenth.
+    const DSV32: PoolShape = PoolShape {
+        block_size: 64,
+        blocks_per_page: 6,
+        hot_blocks: 384,
+        admission_pages: 128,
+        tail_pages: 2,
+        low_watermark: 400,
+    };
+
+    #[test]
+    fn a_request_moves_when_its_window_fills_or_when_a_low_pool_gains_by_it() {
+        let s = DSV32;
+        // Filling the admission window moves it whatever the pool holds.
+        assert_eq!(s.transition(true, 4000, false, 0), Transition::Take);
+        // A pool above the watermark with nobody waiting: nothing to do.
+        assert_eq!(s.transition(false, 400, false, 100), Transition::Stay);
+        // Low (or an admission waiting): only when releasing frees more than the region costs...
+        assert_eq!(s.transition(false, 399, false, 64), Transition::Declined);
+        assert_eq!(s.transition(false, 4000, true, 64), Transition::Declined);
+        assert_eq!(s.transition(false, 399, false, 65), Transition::Take);
+        assert_eq!(s.transition(false, 4000, true, 65), Transition::Take);
+        // ...and the pool can grant the region without vLLM preempting anyone.
+        assert_eq!(s.transition(false, 383, false, 65), Transition::Postponed);
+        assert_eq!(s.transition(false, 384, false, 65), Transition::Take);
+    }
+
+    #[test]
+    fn short_requests_never_take_a_hot_region() {
+        let s = DSV32;
+        // tests/test_vllm_defaults.py's short requests: prompts of 100-400 tokens, 64 more generated.
+        assert!((100..=400).all(|prompt| s.never_takes_hot_region(prompt + 64)));
+        // 66 pages, 64 releasable outside the tail: 384 blocks, no more than the region.
+        assert!(s.never_takes_hot_region(66 * 64));
+        assert!(!s.never_takes_hot_region(66 * 64 + 1));
+        // Too few releasable pages, but it fills its admission window: it will move.
+        let wide = PoolShape { hot_blocks: 10_000, ..s };
+        assert!(wide.never_takes_hot_region(127 * 64));
+        assert!(!wide.never_takes_hot_region(127 * 64 + 1));
+    }
+
+    #[test]
+    fn admission_keeps_room_for_the_running_requests() {
+        let s = DSV32;
+        let empty = PoolState { free_blocks: 4000, ..PoolState::default() };
+        // 3,000 tokens in one 8,192-token window: 47 indexer pages and 47 x 6 resident blocks = 329; into a
+        // pool then still above the watermark, no hot region.
+        let ask = Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, short: false };
+        assert!(s.has_headroom(&ask, &PoolState { free_blocks: 329 + 400, ..empty }));
+        // Less, and the pool it leaves is low: it would move at once, so its region counts too.
+        assert!(s.has_headroom(&ask, &PoolState { free_blocks: 329 + 384, ..empty }));
+        assert!(!s.has_headroom(&ask, &PoolState { free_blocks: 329 + 383, ..empty }));
+        // Unless it is short: then the region is never counted.
+        let short = Admission { short: true, ..ask };
+        assert!(s.has_headroom(&short, &PoolState { free_blocks: 329, ..empty }));
+        assert!(!s.has_headroom(&short, &PoolState { free_blocks: 328, ..empty }));
+        // A prefix hit, or a prompt longer than a window, reads through a hot region: it is counted.
+        let hit = Admission { computed_tokens: 1024, ..ask };
+        let hit_need = 47 + (47 - 16) * 6 + 384;
+        assert!(s.has_headroom(&hit, &PoolState { free_blocks: hit_need, ..empty }));
+        assert!(!s.has_headroom(&hit, &PoolState { free_blocks: hit_need - 1, ..empty }));
+        let long = Admission { tokens: 8000, chunk_tokens: 2048, ..ask };
+        let long_need = 125 + 2 * 32 * 6 + 384;
+        assert!(s.has_headroom(&long, &PoolState { free_blocks: long_need, ..empty }));
+        assert!(!s.has_headroom(&long, &PoolState { free_blocks: long_need - 1, ..empty }));
+        // Running requests: a page of growth each, the hot regions owed, and one more while one may take it.
+        let pool = PoolState {
+            free_blocks: 4000,
+            running: 3,
+            reading_host: 0,
+            owed_hot_blocks: 384,
+            may_take_hot: true,
+        };
+        let reserve = 3 * 7 + 384 + 384;
+        assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve, ..pool }));
+        assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..pool }));
+        let none_may = PoolState { may_take_hot: false, ..pool };
+        assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 384, ..none_may }));
+        // Two of them read through their hot regions: an indexer block each, and one page for both.
+        let two_host = PoolState { reading_host: 2, ..pool };
+        let reserve = 7 + 2 + 7 + 384 + 384;
+        assert!(s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve, ..two_host }));
+        assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..two_host }));
+        // A pool that cannot hold even the request's pages.
+        assert!(!s.has_headroom(&short, &PoolState { free_blocks: 0, ..empty }));
+    }
+
+    #[test]
+    fn the_policy_decides_for_its_shape() {
+        let p = PoolPolicy::with_shape(DSV32);
+        assert_eq!(p.shape(), &DSV32);
+        assert_eq!(PoolPolicy::new().shape(), &PoolShape::default());
+    }
+
     #[test]
     fn transition_only_when_it_frees_more_than_it_costs() {
         // DeepSeek-V3.2 under vLLM: 6 resident groups, a hot region of 6 x 64 blocks.
         assert!(!worth_transition(30, 6, 384));
         assert!(!worth_transition(64, 6, 384));
         assert!(worth_transition(65, 6, 384));
+        assert!(!DSV32.worth_transition(64) && DSV32.worth_transition(65));
     }
 }

@@ -1,9 +1,10 @@
 //! `hisparse._core.PoolPolicy`: the binding of `hisparse_core::pool_policy` (release and reuse order over a
-//! block pool that vLLM owns). Conversions only; the orders are decided in the core.
+//! block pool that vLLM owns, and the admission and transition decisions on vLLM's counts). Conversions
+//! only; the orders and the decisions are made in the core.
 
 use std::sync::Mutex;
 
-use hisparse_core::pool_policy::{self, PoolPolicy as CorePoolPolicy};
+use hisparse_core::pool_policy::{Admission, PoolPolicy as CorePoolPolicy, PoolShape, PoolState};
 use hisparse_core::HeatSummary;
 use pyo3::prelude::*;
 
@@ -12,10 +13,13 @@ use crate::errors::PyResultExt;
 /// A listed request's free-queue moves: (request id, pages to the front, pages to the back).
 type Moves = (String, Vec<u32>, Vec<u32>);
 
-/// Per-request selection heat, and the release order and free-queue moves derived from it.
+/// Per-request selection heat, and the release order and free-queue moves derived from it; and the
+/// admission and transition decisions for a pool of the shape it was built with.
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PoolPolicy {
     inner: Mutex<CorePoolPolicy>,
+    /// Set once at construction; the decisions read it without the lock.
+    shape: PoolShape,
 }
 
 impl PoolPolicy {
@@ -29,9 +33,25 @@ impl PoolPolicy {
 
 #[pymethods]
 impl PoolPolicy {
+    /// The pool's shape, in blocks of vLLM's shared GPU pool: ``block_size`` (tokens per page),
+    /// ``blocks_per_page`` (resident groups), ``hot_blocks`` (a hot region, every hot group's),
+    /// ``admission_pages`` (vLLM's ``max_admission_blocks_per_request``), ``tail_pages`` (vLLM's
+    /// ``ACTIVE_TAIL_PAGES``), ``low_watermark`` (its coordinator's ``transition_watermark``). All 0 by
+    /// default: a policy that only orders releases.
     #[new]
-    fn new() -> Self {
-        Self { inner: Mutex::new(CorePoolPolicy::new()) }
+    #[pyo3(signature = (*, block_size=0, blocks_per_page=0, hot_blocks=0, admission_pages=0, tail_pages=0,
+                        low_watermark=0))]
+    fn new(
+        block_size: usize,
+        blocks_per_page: usize,
+        hot_blocks: usize,
+        admission_pages: usize,
+        tail_pages: usize,
+        low_watermark: usize,
+    ) -> Self {
+        let shape =
+            PoolShape { block_size, blocks_per_page, hot_blocks, admission_pages, tail_pages, low_watermark };
+        Self { inner: Mutex::new(CorePoolPolicy::with_shape(shape)), shape }
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
@@ -69,10 +89,54 @@ impl PoolPolicy {
         self.with(|p| p.len())
     }
 
-    /// Whether releasing ``releasable_pages`` pages of ``blocks_per_page`` blocks frees more than the
-    /// ``hot_blocks`` a hot region costs.
-    #[staticmethod]
-    fn worth_transition(releasable_pages: usize, blocks_per_page: usize, hot_blocks: usize) -> bool {
-        pool_policy::worth_transition(releasable_pages, blocks_per_page, hot_blocks)
+    /// Whether releasing ``releasable_pages`` pages frees more blocks than a hot region costs.
+    fn worth_transition(&self, releasable_pages: usize) -> bool {
+        self.shape.worth_transition(releasable_pages)
+    }
+
+    /// For a request not reading through a hot region yet: ``"take"`` one, ``"stay"`` as it is (the pool is
+    /// not low), ``"declined"`` (low, but releasing its pages would not pay for the region) or
+    /// ``"postponed"`` (the pool cannot grant the region without vLLM preempting someone). ``fills_window``:
+    /// it holds the resident pages admission reserved for it; ``admission_waiting``: an admission was
+    /// deferred this step (counts as a low pool); ``releasable_pages``: its pages outside the tail not
+    /// released yet.
+    fn transition(
+        &self,
+        fills_window: bool,
+        free_blocks: usize,
+        admission_waiting: bool,
+        releasable_pages: usize,
+    ) -> &'static str {
+        self.shape.transition(fills_window, free_blocks, admission_waiting, releasable_pages).name()
+    }
+
+    /// Whether a request that never grows past ``longest_tokens`` can never be moved to a hot region.
+    fn never_takes_hot_region(&self, longest_tokens: usize) -> bool {
+        self.shape.never_takes_hot_region(longest_tokens)
+    }
+
+    /// Whether a waiting request of ``tokens`` (``computed_tokens`` of them a prefix hit, scheduled up to
+    /// ``chunk_tokens`` a step, ``short``: never takes a hot region) may start in a pool of ``free_blocks``
+    /// with ``running`` requests holding blocks (``reading_host`` of them through their hot regions),
+    /// ``owed_hot_blocks`` still owed to hot regions asked for, and ``may_take_hot`` when a running request may
+    /// still take one (``pool_policy.rs``).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, short, *, free_blocks, running, reading_host,
+                        owed_hot_blocks, may_take_hot))]
+    fn has_headroom(
+        &self,
+        tokens: usize,
+        computed_tokens: usize,
+        chunk_tokens: usize,
+        short: bool,
+        free_blocks: usize,
+        running: usize,
+        reading_host: usize,
+        owed_hot_blocks: usize,
+        may_take_hot: bool,
+    ) -> bool {
+        let ask = Admission { tokens, computed_tokens, chunk_tokens, short };
+        let pool = PoolState { free_blocks, running, reading_host, owed_hot_blocks, may_take_hot };
+        self.shape.has_headroom(&ask, &pool)
     }
 }

@@ -7,7 +7,7 @@ the decisions that are policy (package docstring):
 ``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
                       triggers, but a low pool moves a request only if its releasable pages free more blocks
-                      than its hot region costs (``PoolPolicy.worth_transition``), and only once the pool
+                      than its hot region costs (``PoolPolicy.transition``), and only once the pool
                       can grant the region without vLLM preempting anyone. Filling the admission window
                       still always moves it: pinned pages past the window could outgrow the pool.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
@@ -18,7 +18,9 @@ the decisions that are policy (package docstring):
                       admitted only while the pool keeps, after its peak need (every indexer page, two
                       admission windows of resident pages, its hot region), the hot regions owed to requests
                       already asked to transition, one more hot region while a running request has none,
-                      and a page of growth for every running request. vLLM admits against unpinned pages
+                      and room to grow (a page for every running request that keeps its pages, an indexer
+                      block for every one reading through its hot region, whose pages go back as they are
+                      copied, and one page for those together). vLLM admits against unpinned pages
                       as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one, and the rest of
@@ -71,16 +73,19 @@ class HisparseCoordinator(Bookkeeping):
         if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
             # _move_released finds every group's blocks in one pool's free queue (vLLM's layout has one).
             raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
-        self.order = PoolPolicy()
         self.blocks_per_page = len(self.resident_managers)
         self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
+        # The release order, and the admission and transition decisions on this pool's counts (pool_policy.rs).
+        self.order = PoolPolicy(
+            block_size=self.resident_managers[0].block_size if self.resident_managers else 0,
+            blocks_per_page=self.blocks_per_page, hot_blocks=self.hot_cost,
+            admission_pages=min((m.max_admission_blocks_per_request for m in self.resident_managers), default=0),
+            tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
         # The latest heat summary's free-queue moves not made yet: (request, pages, to the front), oldest first.
         self._heat_moves: deque[tuple[str, list[int], bool]] = deque()
         self.heat_moves_per_request = HEAT_MOVES_PER_REQUEST
-        self._admission_pages = min((m.max_admission_blocks_per_request for m in self.resident_managers),
-                                    default=0)
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -95,19 +100,13 @@ class HisparseCoordinator(Bookkeeping):
         if self._can_read_from_host(request_id):
             self._unpin_clean_pages(request_id, state)
             return
-        fills_window = self._fills_admission_window(request_id)
-        if not fills_window:
-            if self.gpu_pool.get_num_free_blocks() >= self.transition_watermark and not self._deferred:
-                return
-            pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
-            releasable = max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages))
-            if not PoolPolicy.worth_transition(releasable, self.blocks_per_page, self.hot_cost):
-                self.counters["transitions_declined"] += 1
-                return
-            if self.gpu_pool.get_num_free_blocks() < self.hot_cost:
-                # vLLM would have to preempt someone to grant the region: wait for room instead.
-                self.counters["transitions_postponed"] += 1
-                return
+        pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
+        decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
+                                         self._deferred, max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)))
+        if decision != "take":
+            if decision != "stay":
+                self.counters[f"transitions_{decision}"] += 1
+            return
         self.counters["transitions"] += 1
         for manager in self.hot_managers:
             manager.require_hot(request_id)
@@ -137,12 +136,9 @@ class HisparseCoordinator(Bookkeeping):
 
     def _never_takes_hot_region(self, longest: int) -> bool:
         """Whether a request that never grows past ``longest`` tokens can never be moved to a hot region
-        (``update_residency``): it never fills its admission window, and its releasable pages never free more
-        blocks than a region costs. Short requests are most requests; no region need be kept for them."""
-        pages = -(-longest // self.resident_managers[0].block_size)
-        releasable = max(0, pages - ACTIVE_TAIL_PAGES)
-        return pages < self._admission_pages and not PoolPolicy.worth_transition(releasable, self.blocks_per_page,
-                                                                                  self.hot_cost)
+        (``update_residency``; ``PoolShape::never_takes_hot_region``). Short requests are most requests; no
+        region need be kept for them."""
+        return self.order.never_takes_hot_region(longest)
 
     def _may_take_hot_region(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -151,28 +147,15 @@ class HisparseCoordinator(Bookkeeping):
 
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
                       num_running: int, short: bool) -> bool:
-        block_size = self.resident_managers[0].block_size
-        pages = -(-num_tokens // block_size)
-        new_pages = pages - num_computed_tokens // block_size
-        window = -(-admission_tokens // block_size)
-        # Counted as if nothing of the prefix were on the GPU: the indexer keeps every page; the resident
-        # groups peak at two admission windows (the next chunk is allocated, with the hot region, before the
-        # window that filled up is released); a hot region comes with a prompt longer than one window or
-        # with a prefix hit (whose pages may be on the host only).
-        need = pages + min(new_pages, 2 * window) * self.blocks_per_page
-        free = self.gpu_pool.get_num_free_blocks()
-        if not short and (new_pages > window or num_computed_tokens or free - need < self.transition_watermark):
-            # It will read through a hot region: too long for one window, a prefix hit, or admitted into a
-            # pool that is then low enough to move it at once.
-            need += self.hot_cost
+        """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers."""
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
         running = self.resident_managers[0].req_to_blocks
-        # One more hot region, unless every running request already reads through its own or never will.
-        spare_hot = self.hot_cost if any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid)
-                                         for rid in running) else 0
-        reserve = owed + spare_hot + num_running * (self.blocks_per_page + 1)
-        return free - need >= reserve
+        reading_host = sum(1 for rid in running if self._can_read_from_host(rid))
+        may_take_hot = any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid) for rid in running)
+        return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, short,
+                                       free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
+                                       reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
 
     def advance_scheduled(self, requests) -> None:
         super().advance_scheduled(requests)

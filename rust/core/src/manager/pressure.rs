@@ -2,6 +2,7 @@
 //! decided in a dry run that mutates nothing, then carried out.
 
 use super::*;
+use crate::pool_policy::worth_transition;
 
 /// The pressure dry run's view of the pool: free blocks and the pins left on blocks it released pages of
 /// (a page shared by several requests frees its block only when the last of them lets go).
@@ -99,8 +100,8 @@ impl ResidencyManager {
                 _ => self.requests[&id].pressure_order().map(|(_, page)| page).collect(),
             };
             // Pages shared with other requests free nothing when this one lets go: count what it really frees.
-            let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count() as i64;
-            if gain <= hot_cost {
+            let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count();
+            if !worth_transition(gain, 1, hot_cost as usize) {
                 continue;
             }
             // Release its own pages first while the pool cannot pay for its hot region; under fifo all of them.
@@ -136,7 +137,10 @@ impl ResidencyManager {
         let hot_cost = self.hot_cost() as usize;
         let eligible = |id: &u64| {
             let r = &self.requests[id];
-            !done.contains(id) && r.hot.is_none() && r.row().is_some() && r.releasable.len() > hot_cost
+            !done.contains(id)
+                && r.hot.is_none()
+                && r.row().is_some()
+                && worth_transition(r.releasable.len(), 1, hot_cost)
         };
         if self.cfg.policy == PressurePolicy::Fifo {
             if let Some(&id) = prefer.iter().find(|id| self.requests.contains_key(id) && eligible(id)) {
