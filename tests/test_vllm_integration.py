@@ -332,3 +332,23 @@ def test_coldest_orders_vllms_free_queue_by_heat():
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
     assert checked, "no summary found never-selected, hottest and other released pages of one request"
     assert tiered, "no request released pages of more than one heat tier together"
+
+
+def test_the_locality_models_selections_run_through_vllms_hisparse_path():
+    """``FakeWorker(selection="locality")`` (the per-page model of ``hisparse.tools.locality``, what the vLLM
+    benches select with on request): every row read is still the one written, some come from the host pool,
+    the heat they make is acted on, and the same trace selects the same rows again (one stream per request and
+    index group, answers kept per position)."""
+    jobs = [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)]
+    runs = []
+    for _ in range(2):
+        setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=20,
+                        extra={"heat_interval": 8})
+        stats = H.run(setup, H.FakeWorker(setup, layers=[0, 60], selection="locality"), jobs)
+        counters = setup.scheduler.connector.coordinator.counters
+        runs.append((stats.rows_checked, stats.rows_from_host, counters["moved_to_front"]))
+    assert runs[0] == runs[1]
+    rows_checked, rows_from_host, moved = runs[0]
+    assert rows_checked > 0 and rows_from_host > 0 and moved > 0
+    with pytest.raises(ValueError, match="selection"):
+        H.FakeWorker(setup, selection="uniform")

@@ -375,6 +375,10 @@ class Stats:
     trace: list = field(default_factory=list)
 
 
+#: How the fake forward's indexer selects (``FakeWorker(selection=...)``).
+SELECTIONS = ("favourites", "locality")
+
+
 class FakeWorker:
     """Applies each ``SchedulerOutput`` the way vLLM's GPU worker and HiSparse connector worker do, with a
     fake forward that writes tags at vLLM's slots and reads every selected top-K row back (module
@@ -384,10 +388,16 @@ class FakeWorker:
 
     def __init__(self, setup: Setup, *, reads: bool = True, layers: list[int] | None = None, tp: int = 1,
                  record: bool = False, data: bool = True, completion_lag: int = 0, offload_seed: int = 0,
-                 offload_lag: int = 3):
+                 offload_lag: int = 3, selection: str = "favourites"):
         # What rebuild() starts the new worker process with: only its arguments (vLLM's config).
         self._args = {"reads": reads, "layers": layers, "tp": tp, "record": record, "data": data,
-                      "completion_lag": completion_lag, "offload_seed": offload_seed, "offload_lag": offload_lag}
+                      "completion_lag": completion_lag, "offload_seed": offload_seed, "offload_lag": offload_lag,
+                      "selection": selection}
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, not {selection!r}")
+        self.selection = selection
+        # selection="locality": each request's index groups' selection streams and their recent answers.
+        self._streams: dict[tuple[int, int], tuple[object, dict[int, np.ndarray]]] = {}
         # A late message from a worker that died (rebuild): merged into the next step's output.
         self._late = None
         kc = setup.kv_cache_config
@@ -815,10 +825,13 @@ class FakeWorker:
     def _topk(self, req: _Req, layer: int, seq_len: int) -> np.ndarray:
         """An indexer-like selection: a sink, a local window, and the rest drawn from the request's
         favourite pages (40% of them, the same in every layer), so that some pages are never selected;
-        all positions when the sequence is shorter than top-K."""
+        all positions when the sequence is shorter than top-K. ``selection="locality"``: the per-page model
+        of :mod:`hisparse.tools.locality` instead (:meth:`_topk_locality`)."""
         if seq_len <= TOP_K:
             return np.arange(seq_len, dtype=np.int32)
         layer = self.leader_of[layer]  # a layer without an indexer reads its leader's selection
+        if self.selection == "locality":
+            return self._topk_locality(req, layer, seq_len)
         rng = np.random.default_rng((req.seed, layer, seq_len))
         local = np.arange(max(0, seq_len - 512), seq_len)
         sink = np.arange(min(64, seq_len))
@@ -832,6 +845,25 @@ class FakeWorker:
         if rest > 0 and len(pool):
             chosen = np.concatenate([chosen, rng.choice(pool, size=min(rest, len(pool)), replace=False)])
         return np.sort(chosen[:TOP_K]).astype(np.int32)
+
+    def _topk_locality(self, req: _Req, leader: int, seq_len: int) -> np.ndarray:
+        """The selection of :class:`hisparse.tools.locality.SelectionStream` (sinks, a recent window, drifting
+        topic spans with reuse, fitted to the published miss rates), one stream per request and index group,
+        advanced to each position read. A position read again (another rank, a draft verified, a step
+        replayed) gets the same answer while it is among the last 64 read; an older one is drawn anew."""
+        from hisparse.tools import locality
+
+        key = (req.seed, leader)
+        if key not in self._streams:
+            params = locality.Params(top_k=TOP_K, context=seq_len)
+            self._streams[key] = (locality.SelectionStream(params, seed=list(key)), {})
+        stream, answers = self._streams[key]
+        if seq_len not in answers:
+            stream.length = seq_len
+            answers[seq_len] = stream.select().astype(np.int32)
+            if len(answers) > 64:
+                del answers[min(answers)]
+        return answers[seq_len]
 
     def _read(self, reads: list[tuple[_Req, int]]) -> None:
         for layer in self.layers:
