@@ -246,7 +246,7 @@ def test_a_heat_summary_is_acted_on_over_several_steps():
         tracked = max(1, len(coord.request_states))
         move()
         per_step.append((coord.counters["moved_to_front"] + coord.counters["moved_to_back"] - before) / tracked)
-        left.append(sum(len(pages) for _, pages, _ in coord._heat_moves))
+        left.append(sum(len(pages) for moves in coord._heat_moves.values() for pages, _ in moves))
 
     coord.move_heat = counted
     H.run(setup, H.FakeWorker(setup, layers=GROUP_LAYERS), [H.Job(f"r{i}", H.prompt(i, 6000), 40) for i in range(3)])

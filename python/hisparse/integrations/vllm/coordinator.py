@@ -39,7 +39,6 @@ vLLM's block rows. ``build_coordinator`` picks the class once.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import TYPE_CHECKING
 
 from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES
@@ -83,8 +82,8 @@ class HisparseCoordinator(Bookkeeping):
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
-        # The latest heat summary's free-queue moves not made yet: (request, pages, to the front), oldest first.
-        self._heat_moves: deque[tuple[str, list[int], bool]] = deque()
+        # The latest heat summary's free-queue moves not made yet, per request: (pages, to the front), in order.
+        self._heat_moves: dict[str, list[tuple[list[int], bool]]] = {}
         self.heat_moves_per_request = HEAT_MOVES_PER_REQUEST
 
     # ------------------------------------------------------------------ when to take a hot region
@@ -175,7 +174,8 @@ class HisparseCoordinator(Bookkeeping):
         released pages it found never selected to the front of the free queue (reused first) and of its
         selected hottest to the back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked
         at: O(coldest + hottest) per request. The moves are made by :meth:`move_heat`, a bounded number per
-        step, so a summary does not land on one step; a newer summary replaces the moves an older one left."""
+        request per step, so a summary does not land on one step; a newer summary replaces the moves an older
+        one left."""
         try:
             moves = self.order.report(report.summary, list(report.request_ids), report.hottest)
         except InvalidArgumentError as e:
@@ -183,31 +183,36 @@ class HisparseCoordinator(Bookkeeping):
             logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
             self.counters["heat_refused"] += 1
             return
-        self.counters["heat_moves_superseded"] += sum(len(pages) for _, pages, _ in self._heat_moves)
-        self._heat_moves.clear()
-        for request_id, front, back in moves:
-            self._heat_moves.append((request_id, list(front), True))
-            self._heat_moves.append((request_id, list(back), False))
+        self.counters["heat_moves_superseded"] += sum(len(pages) for left in self._heat_moves.values()
+                                                      for pages, _ in left)
+        self._heat_moves = {request_id: [(list(front), True), (list(back), False)]
+                            for request_id, front, back in moves if front or back}
 
     def move_heat(self) -> None:
-        """Makes up to ``heat_moves_per_request`` of the queued free-queue moves per running request (pages
-        listed; each moves every resident group's block), oldest first; a request finished or preempted since
-        its summary is skipped."""
-        if not self._heat_moves:
-            return
-        budget = self.heat_moves_per_request * max(1, len(self.request_states))
-        while budget > 0 and self._heat_moves:
-            request_id, pages, front = self._heat_moves.popleft()
-            if len(pages) > budget:
-                self._heat_moves.appendleft((request_id, pages[budget:], front))
-                pages = pages[:budget]
-            budget -= len(pages)
+        """Makes up to ``heat_moves_per_request`` of each request's queued free-queue moves (pages listed; each
+        moves every resident group's block), its front moves first; a request finished or preempted since its
+        summary is skipped. Every listed request advances each step, so the last listed is not left behind
+        when a newer summary supersedes what is left."""
+        share = self.heat_moves_per_request
+        for request_id in list(self._heat_moves):
             state = self.request_states.get(request_id)
             if state is None:  # finished or preempted since the summary was taken
+                del self._heat_moves[request_id]
                 self.order.forget(request_id)
                 continue
-            released = state.unpinned_pages
-            self._move_released(request_id, [p for p in pages if p in released], front=front)
+            left, budget = self._heat_moves[request_id], share
+            while budget > 0 and left:
+                pages, front = left[0]
+                now, later = pages[:budget], pages[budget:]
+                if later:
+                    left[0] = (later, front)
+                else:
+                    left.pop(0)
+                budget -= len(now)
+                released = state.unpinned_pages
+                self._move_released(request_id, [p for p in now if p in released], front=front)
+            if not left:
+                del self._heat_moves[request_id]
 
     def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
         """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
