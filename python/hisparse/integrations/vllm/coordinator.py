@@ -185,8 +185,13 @@ class HisparseCoordinator(Bookkeeping):
             return
         self.counters["heat_moves_superseded"] += sum(len(pages) for left in self._heat_moves.values()
                                                       for pages, _ in left)
-        self._heat_moves = {request_id: [(list(front), True), (list(back), False)]
-                            for request_id, front, back in moves if front or back}
+        self._heat_moves = {}
+        for request_id, front, back in moves:
+            if request_id not in self.request_states:
+                # Freed since the summary was taken (a step in flight, async scheduling): nothing to order.
+                self.order.forget(request_id)
+            elif front or back:
+                self._heat_moves[request_id] = [(list(front), True), (list(back), False)]
 
     def move_heat(self) -> None:
         """Makes up to ``heat_moves_per_request`` of each request's queued free-queue moves (pages listed; each
