@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 #: the median (``benches/vllm_step.py``). Per running request, so the moves stay a fixed share of a step whose
 #: own cost grows with the batch; a summary's moves not made when the next summary comes are superseded by it.
 HEAT_MOVES_PER_REQUEST = 4
+#: Most pages of one request moved in one turn: requests take turns, so that a step visits a few requests
+#: (each visit costs a call into the core and vLLM's queue), not every listed one.
+HEAT_MOVES_PER_TURN = 32
 
 
 class HisparseCoordinator(Bookkeeping):
@@ -194,30 +197,34 @@ class HisparseCoordinator(Bookkeeping):
                 self._heat_moves[request_id] = [(list(front), True), (list(back), False)]
 
     def move_heat(self) -> None:
-        """Makes up to ``heat_moves_per_request`` of each request's queued free-queue moves (pages listed; each
-        moves every resident group's block), its front moves first; a request finished or preempted since its
-        summary is skipped. Every listed request advances each step, so the last listed is not left behind
-        when a newer summary supersedes what is left."""
-        share = self.heat_moves_per_request
-        for request_id in list(self._heat_moves):
+        """Makes up to ``heat_moves_per_request`` queued free-queue moves per request the coordinator tracks
+        (pages listed; each moves every resident group's block), in turns of up to :data:`HEAT_MOVES_PER_TURN`
+        pages of one request, its front moves first. A request whose turn ends with moves left goes to the back
+        of the line, so every listed request advances before a newer summary supersedes what is left; a request
+        finished or preempted since its summary is skipped."""
+        budget = self.heat_moves_per_request * max(1, len(self.request_states))
+        line = self._heat_moves
+        while budget > 0 and line:
+            request_id = next(iter(line))
+            left = line.pop(request_id)
             state = self.request_states.get(request_id)
             if state is None:  # finished or preempted since the summary was taken
-                del self._heat_moves[request_id]
                 self.order.forget(request_id)
                 continue
-            left, budget = self._heat_moves[request_id], share
-            while budget > 0 and left:
+            turn = min(budget, HEAT_MOVES_PER_TURN)
+            budget -= turn
+            while turn > 0 and left:
                 pages, front = left[0]
-                now, later = pages[:budget], pages[budget:]
+                now, later = pages[:turn], pages[turn:]
                 if later:
                     left[0] = (later, front)
                 else:
                     left.pop(0)
-                budget -= len(now)
+                turn -= len(now)
                 released = state.unpinned_pages
                 self._move_released(request_id, [p for p in now if p in released], front=front)
-            if not left:
-                del self._heat_moves[request_id]
+            if left:
+                line[request_id] = left
 
     def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
         """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
