@@ -100,7 +100,7 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert not rows.all_resident([("a", 4)])
     rows.set_page("a", 0, 2, 12)
     assert rows.all_resident([("a", 12)]) and not rows.all_resident([("a", 12), ("a", 13)])
-    assert rows.row("a", 0) == [10, 11, 12]
+    assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
     for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
                 lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):
         with pytest.raises(hisparse_errors.InvalidArgumentError):

@@ -210,26 +210,16 @@ impl PoolShape {
     }
 }
 
-/// Per-request selection heat and the orders derived from it (module docs), and the decisions on vLLM's
-/// counts for its pool's [`PoolShape`].
+/// Per-request selection heat and the orders derived from it (module docs). The decisions on vLLM's counts
+/// are [`PoolShape`]'s: they keep no state.
 #[derive(Debug, Default)]
 pub struct PoolPolicy {
     requests: HashMap<String, Ranking>,
-    shape: PoolShape,
 }
 
 impl PoolPolicy {
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// A policy deciding for a pool of this shape.
-    pub fn with_shape(shape: PoolShape) -> Self {
-        Self { shape, ..Self::default() }
-    }
-
-    pub fn shape(&self) -> &PoolShape {
-        &self.shape
     }
 
     /// Takes a worker's summary: `summary.requests[i]` is an index into `request_ids`, and each request it
@@ -459,13 +449,6 @@ mod tests {
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..two_host }));
         // A pool that cannot hold even the request's pages.
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 0, ..empty }));
-    }
-
-    #[test]
-    fn the_policy_decides_for_its_shape() {
-        let p = PoolPolicy::with_shape(DSV32);
-        assert_eq!(p.shape(), &DSV32);
-        assert_eq!(PoolPolicy::new().shape(), &PoolShape::default());
     }
 
     #[test]

@@ -83,6 +83,11 @@ impl BlockRows {
         self.with(|r| r.row(request, row(group)).iter().map(|&id| (id != HOST_ONLY).then_some(id)).collect())
     }
 
+    /// How many pages a row holds (``len(row(...))`` without building the row).
+    fn row_len(&self, request: &str, group: Option<usize>) -> usize {
+        self.with(|r| r.row(request, row(group)).len())
+    }
+
     /// Every resident group's block of each page, page by page (``len(pages) x groups`` ids, ``None`` where a
     /// group reads the page from the host or has no block for it).
     fn blocks_at(&self, request: &str, pages: Vec<usize>) -> Vec<Option<u32>> {

@@ -18,7 +18,7 @@ type Moves = (String, Vec<u32>, Vec<u32>);
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PoolPolicy {
     inner: Mutex<CorePoolPolicy>,
-    /// Set once at construction; the decisions read it without the lock.
+    /// Set once at construction: the decisions on vLLM's counts (stateless, so read without the lock).
     shape: PoolShape,
 }
 
@@ -51,7 +51,7 @@ impl PoolPolicy {
     ) -> Self {
         let shape =
             PoolShape { block_size, blocks_per_page, hot_blocks, admission_pages, tail_pages, low_watermark };
-        Self { inner: Mutex::new(CorePoolPolicy::with_shape(shape)), shape }
+        Self { inner: Mutex::new(CorePoolPolicy::new()), shape }
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is

@@ -44,6 +44,14 @@ def block_ids(blocks) -> list[int | None]:
     return [None if block.is_null else block.block_id for block in blocks]
 
 
+def vllm_row(manager: Any, group: int | None, request_id: str) -> list:
+    """The row of ``request_id`` as vLLM holds it, which the core's ``group`` records: a resident group's with
+    its residency changes applied, the host group's as it is."""
+    if group is None:
+        return manager.req_to_blocks.get(request_id, [])
+    return manager.get_residency_row(request_id)
+
+
 class _RowRecorder:
     """Keeps ``BlockRows`` equal to vLLM's rows by wrapping, on vLLM's manager objects, the methods that change
     a row in place (rare: admissions, imports, adoptions, losses, copy-on-write, frees). Rows grow every
@@ -60,9 +68,7 @@ class _RowRecorder:
             self._wrap(manager, group)
 
     def reread(self, request_id: str, manager: Any, group: int | None) -> None:
-        row = manager.get_residency_row(request_id) if group is not None else \
-            manager.req_to_blocks.get(request_id, ())
-        self.rows.set(request_id, group, block_ids(row))
+        self.rows.set(request_id, group, block_ids(vllm_row(manager, group, request_id)))
 
     def _wrap(self, manager: Any, group: int | None) -> None:
         reread = self.reread
@@ -104,7 +110,7 @@ class _RowRecorder:
             if not new:
                 continue
             row = manager.req_to_blocks[request_id]
-            recorded = len(self.rows.row(request_id, group))
+            recorded = self.rows.row_len(request_id, group)
             if recorded + len(new) < len(row) or recorded > len(row):
                 self.book.counters["rows_reread"] += 1
                 self.reread(request_id, manager, group)
@@ -169,10 +175,9 @@ class Bookkeeping(HiSparseCoordinator):
             return
         held = set()
         for manager, group in self._recorder.groups:
-            for request_id, blocks in manager.req_to_blocks.items():
+            for request_id in manager.req_to_blocks:
                 held.add(request_id)
-                row = manager.get_residency_row(request_id) if group is not None else blocks
-                if self.rows.row(request_id, group) != block_ids(row):
+                if self.rows.row(request_id, group) != block_ids(vllm_row(manager, group, request_id)):
                     raise InvariantError(f"request {request_id!r}: recorded row of group {group} differs from vLLM's")
         if len(self.rows) > len(held):
             raise InvariantError(f"{len(self.rows)} requests recorded, vLLM holds rows of {len(held)}")

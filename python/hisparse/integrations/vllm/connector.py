@@ -261,12 +261,11 @@ class HiSparseConnector(VllmHiSparseConnector):
                 source_block_ids.extend(new_block_ids[source_group])
         row_mirrors = coordinator.row_mirrors(windows)
         imports = coordinator._pending_imports
-        started = ()
-        if imports:
-            resumed = cached.resumed_req_ids
-            started = tuple(rid for rid in [r.req_id for r in new_reqs] + [rid for rid in cached.req_ids
-                                                                           if rid in resumed] if rid in imports)
-        self._sync_imports.append(started)
+        started = []
+        if imports:  # usually none: then no request can have started with one pending
+            started = [r.req_id for r in new_reqs]
+            started += [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
+        self._sync_imports.append(tuple(rid for rid in started if rid in imports))
         return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
                                          coordinator.all_context_pages_resident(scheduled),
                                          coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
