@@ -65,18 +65,15 @@ def test_pool_policy_takes_the_cores_heat_summary():
     summary = _summary([[0, 0, 0, 0, 0, 0, 0], [90, 0, 1, 7, 0, 5, 40]], [[0] * 7, [1] * 7], 3, 2)
     p = _core.PoolPolicy()
     assert p.release_order("a", [5, 1, 0]) == [0, 1, 5]  # nothing known yet: oldest first
-    # Moves: never-selected listed pages to the front of the free queue, the selected hottest to the back.
-    assert p.report(summary, ["other", "a"], 2) == [("other", [], []), ("a", [1, 4], [6, 0])]
-    # Asked for more hottest than it lists: every page was listed, so every selected page goes back.
-    assert p.report(summary, ["other", "a"], 3) == [("other", [], []), ("a", [1, 4], [2, 6, 0])]
+    assert p.report(summary, ["other", "a"]) is None
     assert p.release_order("a", [0, 1, 2, 3, 4, 5, 6]) == [1, 4, 2, 3, 5, 6, 0]
     assert len(p) == 2
     p.forget("a")
     assert len(p) == 1
     with pytest.raises(hisparse_errors.InvalidArgumentError, match="names request 1 of a batch of 1"):
-        p.report(summary, ["only"], 2)
+        p.report(summary, ["only"])
     with pytest.raises(hisparse_errors.InvalidArgumentError):
-        p.report(b"not a summary", ["a"], 2)
+        p.report(b"not a summary", ["a"])
     shaped = _core.PoolPolicy(blocks_per_page=6, hot_blocks=384)
     assert not shaped.worth_transition(64) and shaped.worth_transition(65)
 

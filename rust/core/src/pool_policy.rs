@@ -9,13 +9,11 @@
 //! - [`PoolPolicy::release_order`]: the summary's coldest pages first (coldest first), then the pages it
 //!   did not list (oldest first), then its hottest (the least hot first): never-selected pages go first,
 //!   the hottest (attention sinks, the recent window) stay longest.
-//! - [`PoolPolicy::report`]: with each summary, the released pages to move in vLLM's free queue: those the
-//!   summary found never selected to its front (reused first), its selected hottest to its back (reused
-//!   last, the hottest after the others), and when the summary lists every page of the request (nothing
-//!   unlisted sits between its tiers) every selected page to the back, in release order. The rest keep
-//!   their release order. This is O(what the summary lists) per request, not O(released pages): moving
-//!   every still-selected released page would touch most of a long request's pages (blocks of every
-//!   resident group) every interval.
+//! - [`PoolPolicy::report`]: each summary replaces what was known of the requests it lists. Pages already
+//!   released keep their place in the queue: moving them by later summaries (never-selected to the front,
+//!   the hottest to the back) changed no measurable read (`vllm_pressure.py --selection locality`: 1,261,271
+//!   rows from the host with the moves, 1,261,330 without; `vllm_agent.py` at c = 16: 849,511 with, 844,004
+//!   without) and cost more than the rest of the connector's step at N = 128.
 //! - [`worth_transition`]: a request moves to reading through a hot region only when the pages it would
 //!   release free more blocks than the region costs.
 //! - [`PoolShape`]: the admission and transition decisions on vLLM's counts ([`PoolShape::transition`],
@@ -47,17 +45,6 @@ impl Ranking {
     fn rank(&self, page: u32) -> Rank {
         self.listed.get(&page).copied().unwrap_or((UNLISTED, page))
     }
-}
-
-/// The free-queue moves a summary asks for one request (module docs), each in release order.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Moves {
-    /// Index of the request in the ids given with the summary.
-    pub request: usize,
-    /// Listed pages never selected: to the front of the free queue.
-    pub front: Vec<u32>,
-    /// Selected pages: to the back, the hottest last.
-    pub back: Vec<u32>,
 }
 
 /// vLLM's HiSparse layout as the decisions see it; every count is in blocks of vLLM's shared GPU pool.
@@ -223,51 +210,29 @@ impl PoolPolicy {
     }
 
     /// Takes a worker's summary: `summary.requests[i]` is an index into `request_ids`, and each request it
-    /// lists replaces what was known of that request. `hottest` is how many hottest pages the worker asked
-    /// for per request: a request with fewer had every page listed. Returns the moves it asks for, one per
-    /// listed request in its order (the caller applies them to the pages that are released and still
-    /// readable). A summary naming an index past `request_ids` is refused whole.
-    pub fn report(
-        &mut self,
-        summary: &HeatSummary,
-        request_ids: &[String],
-        hottest: usize,
-    ) -> Result<Vec<Moves>> {
+    /// lists replaces what was known of that request. A summary naming an index past `request_ids` is
+    /// refused whole.
+    pub fn report(&mut self, summary: &HeatSummary, request_ids: &[String]) -> Result<()> {
         summary.validate()?;
-        let mut moves = Vec::with_capacity(summary.len());
-        for &index in &summary.requests {
-            match usize::try_from(index).ok().filter(|&i| i < request_ids.len()) {
-                Some(request) => moves.push(Moves { request, ..Moves::default() }),
-                None => {
-                    return invalid(format!(
-                        "a heat summary names request {index} of a batch of {}",
-                        request_ids.len()
-                    ))
-                }
-            }
+        if let Some(&index) =
+            summary.requests.iter().find(|&&i| usize::try_from(i).map_or(true, |i| i >= request_ids.len()))
+        {
+            return invalid(format!(
+                "a heat summary names request {index} of a batch of {}",
+                request_ids.len()
+            ));
         }
-        for (i, m) in moves.iter_mut().enumerate() {
+        for (i, &index) in summary.requests.iter().enumerate() {
             let mut r = Ranking::default();
-            let complete = summary.hottest(i).count() < hottest;
-            for (k, (heat, page)) in summary.coldest(i).enumerate() {
+            for (k, (_, page)) in summary.coldest(i).enumerate() {
                 r.listed.insert(page, (COLDEST, k as u32));
-                if heat == 0 {
-                    m.front.push(page);
-                } else if complete {
-                    m.back.push(page);
-                }
             }
-            for (k, (heat, page)) in summary.hottest(i).enumerate() {
+            for (k, (_, page)) in summary.hottest(i).enumerate() {
                 r.listed.insert(page, (HOTTEST, k as u32));
-                if heat == 0 {
-                    m.front.push(page);
-                } else {
-                    m.back.push(page);
-                }
             }
-            self.requests.insert(request_ids[m.request].clone(), r);
+            self.requests.insert(request_ids[index as usize].clone(), r);
         }
-        Ok(moves)
+        Ok(())
     }
 
     /// `pages` in the order to release them (module docs); without a summary, oldest first.
@@ -318,19 +283,11 @@ mod tests {
     #[test]
     fn coldest_then_unlisted_then_hottest_as_the_cores_policy() {
         let mut summary = HeatSummary::default();
-        // Pages 4 and 6 never selected, 2 hardly; 0 (a sink) and 7 the hottest (two asked for: others are
-        // unlisted, so page 2 stays where it is). "x" had three pages, all listed: its selected ones go back.
+        // Pages 4 and 6 never selected, 2 hardly; 0 (a sink) and 7 the hottest; 5 and 8 unlisted.
         summary.push(1, vec![(0, 4), (0, 6), (3, 2)], vec![(9, 7), (90, 0)]);
         summary.push(0, vec![(0, 9), (2, 5)], vec![(4, 1)]);
         let mut p = PoolPolicy::new();
-        let moves = p.report(&summary, &ids(&["x", "a"]), 2).unwrap();
-        assert_eq!(
-            moves,
-            vec![
-                Moves { request: 1, front: vec![4, 6], back: vec![7, 0] },
-                Moves { request: 0, front: vec![9], back: vec![5, 1] },
-            ]
-        );
+        p.report(&summary, &ids(&["x", "a"])).unwrap();
         let mut pages = vec![0, 2, 4, 5, 6, 7, 8];
         p.release_order("a", &mut pages);
         assert_eq!(pages, vec![4, 6, 2, 5, 8, 7, 0]);
@@ -346,8 +303,8 @@ mod tests {
         let mut later = HeatSummary::default();
         later.push(0, vec![(0, 3)], vec![(5, 1)]);
         let mut p = PoolPolicy::new();
-        p.report(&first, &ids(&["a"]), 1).unwrap();
-        p.report(&later, &ids(&["a"]), 1).unwrap();
+        p.report(&first, &ids(&["a"])).unwrap();
+        p.report(&later, &ids(&["a"])).unwrap();
         let mut pages = vec![1, 2, 3];
         p.release_order("a", &mut pages);
         assert_eq!(pages, vec![3, 2, 1]);
@@ -359,7 +316,7 @@ mod tests {
         summary.push(0, vec![(0, 1)], vec![]);
         summary.push(2, vec![(0, 1)], vec![]);
         let mut p = PoolPolicy::new();
-        assert!(p.report(&summary, &ids(&["a", "b"]), 1).is_err());
+        assert!(p.report(&summary, &ids(&["a", "b"])).is_err());
         assert!(p.is_empty());
     }
 

@@ -10,10 +10,7 @@ use pyo3::prelude::*;
 
 use crate::errors::PyResultExt;
 
-/// A listed request's free-queue moves: (request id, pages to the front, pages to the back).
-type Moves = (String, Vec<u32>, Vec<u32>);
-
-/// Per-request selection heat, and the release order and free-queue moves derived from it; and the
+/// Per-request selection heat and the release order derived from it; and the
 /// admission and transition decisions for a pool of the shape it was built with.
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PoolPolicy {
@@ -55,22 +52,12 @@ impl PoolPolicy {
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
-    /// ``request_ids[i]``, and each request it lists replaces what was known of it; ``hottest``: how many
-    /// hottest pages the worker asked for per request. Returns, per listed request, ``(request_id, front,
-    /// back)``: its listed pages never selected (to move to the front of the free queue) and its selected
-    /// pages to move to the back, each in release order. A malformed summary, or one naming a request past
-    /// ``request_ids``, changes nothing.
-    fn report(
-        &self,
-        py: Python<'_>,
-        summary: &Bound<'_, PyAny>,
-        request_ids: Vec<String>,
-        hottest: usize,
-    ) -> PyResult<Vec<Moves>> {
+    /// ``request_ids[i]``, and each request it lists replaces what was known of it (its release order). A
+    /// malformed summary, or one naming a request past ``request_ids``, changes nothing.
+    fn report(&self, py: Python<'_>, summary: &Bound<'_, PyAny>, request_ids: Vec<String>) -> PyResult<()> {
         let raw = crate::args::bytes(summary, "summary")?;
         let summary = py.detach(|| HeatSummary::decode(&raw)).py()?;
-        let moves = self.with(|p| p.report(&summary, &request_ids, hottest)).py()?;
-        Ok(moves.into_iter().map(|m| (request_ids[m.request].clone(), m.front, m.back)).collect())
+        self.with(|p| p.report(&summary, &request_ids)).py()
     }
 
     /// ``pages`` in the order to release them: the last summary's coldest, then the pages it did not list

@@ -31,9 +31,8 @@ per-step scans run by the Rust core over its record of vLLM's block rows, ``Bloc
 ``coldest`` its subclass :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which decides
 
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),
-  by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest),
-  and with each heat summary it moves released pages never selected to the front of the queue and the
-  hottest to its back (``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
+  by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest;
+  ``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
 - when a request takes a hot region: only when what it releases frees more blocks than the region costs
   (vLLM moves every scheduled request once the pool runs low, even one whose pages free less than its
   6 x 64-block hot region);
@@ -52,8 +51,7 @@ Heat is counted in the workers, on the device, from vLLM's own resolver path: th
 makes vLLM's index-group leader runtimes count the top-K they resolve (inside the forward vLLM captures in
 CUDA graphs), ranks the counts every ``heat_interval`` steps with the data path's ranking, and sends the
 core's ``HeatSummary`` back in the worker metadata (``connector.py``, ``heat.py``). The scheduler's
-``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does; the
-free-queue moves a summary asks for are made a bounded number per step (``HEAT_MOVES_PER_REQUEST``). The
+``PoolPolicy`` (Rust) turns it into release and reuse order, as the core's ``coldest`` policy does. The
 counting has only run on CPU here (the CPU harness drives the same code); ``tests/test_vllm_heat_gpu.py`` is
 its GPU check (run by ``benches/gpu_check.sh``).
 

@@ -130,8 +130,11 @@ class Bookkeeping(HiSparseCoordinator):
         self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
         if self._recorder is not None:  # constants of publish_when_ready's test, read every step
             host = self.host_manager
+            self._host_block_size = host.block_size
             self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
             self._hash_block_size = host.block_pool.hash_block_size
+        # Requests whose publish_when_ready publishes nothing until another page is computed: (state, pages).
+        self._published: dict[str, tuple[Any, int]] = {}
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
@@ -190,10 +193,7 @@ class Bookkeeping(HiSparseCoordinator):
         return True
 
     def report_heat(self, report: Any) -> None:
-        """vLLM's free queue ignores selection heat."""
-
-    def move_heat(self) -> None:
-        """Nothing to move: no heat is acted on."""
+        """vLLM's release order ignores selection heat."""
 
     # ------------------------------------------------------------------ per-step scans, O(what changed)
     #
@@ -237,12 +237,13 @@ class Bookkeeping(HiSparseCoordinator):
                 out.append((request_id, num_tokens))
                 continue
             # A clean page still pinned is released only once it leaves the tail (_resident_page_blocks):
-            # a pinned page in the tail, the usual case, is no work. Counted by membership, not by iterating
-            # the set, whose table keeps the size it had when the request last held many pinned pages.
+            # a pinned page in the tail, the usual case, is no work. The intersection looks up the tail's
+            # pages in the set, rather than iterating the set, whose table keeps the size it had when the
+            # request last held many pinned pages.
             pinned = state.pinned_clean
             if pinned:
                 pages = len(resident.get(request_id, ()))
-                if len(pinned) > sum(page in pinned for page in range(max(0, pages - ACTIVE_TAIL_PAGES), pages)):
+                if len(pinned) > len(pinned.intersection(range(max(0, pages - ACTIVE_TAIL_PAGES), pages))):
                     out.append((request_id, num_tokens))
                     continue
             if request_id not in reads_host and not self._can_read_from_host(request_id):
@@ -278,25 +279,44 @@ class Bookkeeping(HiSparseCoordinator):
         # Called for every request after every step. When the durable prefix publishes nothing new, records
         # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
         # publication cleared): skip the publication object and the host manager's call.
-        state = self.request_states.get(request.request_id)
+        request_id = request.request_id
+        state = self.request_states.get(request_id)
         if state is not None and self._recorder is not None:
-            manager = self.host_manager
-            block_size = manager.block_size
-            ready = state.ready_prefix_pages
-            if ready >= num_computed_tokens // block_size:
-                num_pages = min(num_computed_tokens, ready * block_size) // block_size
-                host_blocks = manager.req_to_blocks.get(request.request_id)
-                if (not host_blocks or state.copies_recorded_blocks >= min(num_pages, len(host_blocks))) and (
-                        not self._host_prefix_cacheable or manager.num_cached_block.get(request.request_id, 0)
-                        >= min(num_pages, len(request.block_hashes) * self._hash_block_size // block_size)):
-                    state.publication = None
-                    return
+            num_pages = num_computed_tokens // self._host_block_size
+            steady = self._published.get(request_id)
+            if steady is not None and steady[0] is state and steady[1] == num_pages:
+                return  # steady within a page: nothing below can have changed (``_publishes_nothing``)
+            if self._publishes_nothing(request, state, num_pages):
+                state.publication = None
+                return
+        self._published.pop(request_id, None)
         super().publish_when_ready(request, num_computed_tokens, retention_interval,
                                    replay_boundaries=replay_boundaries)
+
+    def _publishes_nothing(self, request, state, num_pages: int) -> bool:
+        """Whether vLLM's ``publish_when_ready`` of ``num_pages`` computed pages would publish nothing and
+        record no GPU copy. Every count it compares only grows while ``state`` lives (ready and recorded
+        pages, cached blocks), so once the bounds are the computed pages themselves (the host row and the
+        block hashes reach past them) the answer holds until another page is computed: remembered in
+        ``_published``."""
+        if state.ready_prefix_pages < num_pages:
+            return False
+        request_id = request.request_id
+        manager = self.host_manager
+        host_blocks = len(manager.req_to_blocks.get(request_id, ()))
+        if host_blocks and state.copies_recorded_blocks < min(num_pages, host_blocks):
+            return False
+        hashed = len(request.block_hashes) * self._hash_block_size // self._host_block_size
+        if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(num_pages, hashed):
+            return False
+        if host_blocks >= num_pages and hashed >= num_pages:
+            self._published[request_id] = (state, num_pages)
+        return True
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self._reads_host.discard(request_id)
+        self._published.pop(request_id, None)
 
     # ------------------------------------------------------------------ a reset: what the workers held is gone
 
@@ -366,6 +386,7 @@ class Bookkeeping(HiSparseCoordinator):
         self.request_states.clear()
         self._resident_requests.clear()
         self._reads_host.clear()
+        self._published.clear()
         self.rows.clear_all()
         return True
 

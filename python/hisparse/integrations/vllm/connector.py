@@ -287,7 +287,6 @@ class HiSparseConnector(VllmHiSparseConnector):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HisparseWorkerMetadata) and meta.heat is not None:
             self.coordinator.report_heat(meta.heat)
-        self.coordinator.move_heat()  # a bounded part of the latest summary's moves, for the next allocations
 
     # ------------------------------------------------------------------ worker role
 

@@ -27,9 +27,9 @@ the decisions that are policy (package docstring):
                       the queue waits behind it (vLLM's first come, first served). A request too short ever
                       to take a hot region is counted without one.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
-                      the released pages it found never selected move to the front of vLLM's free queue,
-                      its hottest to the back, so the pool reuses never-selected pages first and the hottest
-                      last.
+                      the release order of the requests it lists, from then on. Pages released already keep
+                      their place in vLLM's free queue: reordering them by each summary measured no fewer
+                      host reads and cost more than the rest of the connector (``pool_policy.rs``).
 
 ``fifo`` overrides nothing: it is :class:`~.bookkeeping.Bookkeeping`, this class's base, whose decisions are
 all vLLM's (the parity test checks it step by step) and whose per-step scans run over the core's record of
@@ -57,23 +57,13 @@ def longest_tokens(request) -> int | None:
 
 logger = logging.getLogger(__name__)
 
-#: Released pages a step moves in vLLM's free queue for heat, per running request (each page: one block per
-#: resident group). A summary lists up to 160 pages per request: moved at once, it made its step several times
-#: the median (``benches/vllm_step.py``). Per running request, so the moves stay a fixed share of a step whose
-#: own cost grows with the batch; a summary's moves not made when the next summary comes are superseded by it.
-HEAT_MOVES_PER_REQUEST = 4
-#: Most pages of one request moved in one turn: requests take turns, so that a step visits a few requests
-#: (each visit costs a call into the core and vLLM's queue), not every listed one.
-HEAT_MOVES_PER_TURN = 32
-
-
 class HisparseCoordinator(Bookkeeping):
     """vLLM's bookkeeping with hisparse's ``coldest`` decisions (module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
-            # _move_released finds every group's blocks in one pool's free queue (vLLM's layout has one).
+            # The decisions count one pool's free blocks for every group (vLLM's layout has one).
             raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
         self.blocks_per_page = len(self.resident_managers)
         self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
@@ -85,9 +75,6 @@ class HisparseCoordinator(Bookkeeping):
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
-        # The latest heat summary's free-queue moves not made yet, per request: (pages, to the front), in order.
-        self._heat_moves: dict[str, list[tuple[list[int], bool]]] = {}
-        self.heat_moves_per_request = HEAT_MOVES_PER_REQUEST
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -173,77 +160,20 @@ class HisparseCoordinator(Bookkeeping):
                 self.counters["released"] += 1
 
     def report_heat(self, report: HeatReport) -> None:
-        """A heat summary from the workers (``heat.py``): remember it, and queue the moves of each request's
-        released pages it found never selected to the front of the free queue (reused first) and of its
-        selected hottest to the back (reused last; ``PoolPolicy.report``). Only what the summary lists is looked
-        at: O(coldest + hottest) per request. The moves are made by :meth:`move_heat`, a bounded number per
-        request per step, so a summary does not land on one step; a newer summary replaces the moves an older
-        one left."""
+        """A heat summary from the workers (``heat.py``): the release order of each request it lists, until
+        the next summary lists it (``PoolPolicy.report``). A request freed since the summary was taken (a
+        step in flight, async scheduling) is forgotten at once."""
         try:
-            moves = self.order.report(report.summary, list(report.request_ids), report.hottest)
+            self.order.report(report.summary, list(report.request_ids))
         except InvalidArgumentError as e:
             # Heat only orders releases; a summary the core refuses must not take vLLM's engine down.
             logger.warning("hisparse: a heat summary from the workers was refused: %s", e)
             self.counters["heat_refused"] += 1
             return
-        self.counters["heat_moves_superseded"] += sum(len(pages) for left in self._heat_moves.values()
-                                                      for pages, _ in left)
-        self._heat_moves = {}
-        for request_id, front, back in moves:
+        self.counters["heat_summaries"] += 1
+        for request_id in report.request_ids:
             if request_id not in self.request_states:
-                # Freed since the summary was taken (a step in flight, async scheduling): nothing to order.
                 self.order.forget(request_id)
-            elif front or back:
-                self._heat_moves[request_id] = [(list(front), True), (list(back), False)]
-
-    def move_heat(self) -> None:
-        """Makes up to ``heat_moves_per_request`` queued free-queue moves per request the coordinator tracks
-        (pages listed; each moves every resident group's block), in turns of up to :data:`HEAT_MOVES_PER_TURN`
-        pages of one request, its front moves first. A request whose turn ends with moves left goes to the back
-        of the line, so every listed request advances before a newer summary supersedes what is left; a request
-        finished or preempted since its summary is skipped."""
-        budget = self.heat_moves_per_request * max(1, len(self.request_states))
-        line = self._heat_moves
-        while budget > 0 and line:
-            request_id = next(iter(line))
-            left = line.pop(request_id)
-            state = self.request_states.get(request_id)
-            if state is None:  # finished or preempted since the summary was taken
-                self.order.forget(request_id)
-                continue
-            turn = min(budget, HEAT_MOVES_PER_TURN)
-            budget -= turn
-            while turn > 0 and left:
-                pages, front = left[0]
-                now, later = pages[:turn], pages[turn:]
-                if later:
-                    left[0] = (later, front)
-                else:
-                    left.pop(0)
-                turn -= len(now)
-                released = state.unpinned_pages
-                self._move_released(request_id, [p for p in now if p in released], front=front)
-            if left:
-                line[request_id] = left
-
-    def _move_released(self, request_id: str, pages: list[int], *, front: bool) -> None:
-        """Moves released pages (every resident group's block), in ``pages`` order, to the front or the back of
-        vLLM's free queue. A block that is not in the queue (reused already, or adopted by another request)
-        stays where it is; the reuse watcher ``unpin_blocks`` registered stays, so reuse is still noticed."""
-        if not pages:
-            return
-        queue, blocks = self.gpu_pool.free_block_queue, self.gpu_pool.blocks  # every resident group's pool
-        moved = []
-        for block_id in self.rows.blocks_at(request_id, pages):
-            if block_id is not None and (block := blocks[block_id]).ref_cnt == 0 and block.prev_free_block is not None:
-                queue.remove(block)
-                moved.append(block)
-        # remove() and the insert below each count the block once: the pool's free count is unchanged.
-        if front:
-            queue.prepend_n(moved)
-        else:
-            queue.append_n(moved)
-        self.counters["moved_to_front" if front else "moved_to_back"] += len(moved)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)

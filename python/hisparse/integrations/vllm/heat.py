@@ -41,12 +41,10 @@ __all__ = ["HeatReport", "SelectionHeat"]
 @dataclass(frozen=True)
 class HeatReport:
     """An encoded ``HeatSummary`` (``_core.decode_heat_summary`` reads it) whose request ``i`` is
-    ``request_ids[i]``, ranked with ``hottest`` hottest pages asked for per request (a request listing fewer
-    had every page listed). Bytes, strings and ints: it pickles across vLLM's multi-process executor."""
+    ``request_ids[i]``. Bytes and strings: it pickles across vLLM's multi-process executor."""
 
     summary: bytes
     request_ids: tuple[str, ...]
-    hottest: int
 
 
 def _positive(name: str, value: object, low: int) -> int:
@@ -157,7 +155,7 @@ class SelectionHeat:
         report = None
         while self._pending and self._pending[0][0].ready():
             summary, ids = self._pending.popleft()
-            report = HeatReport(summary.take(), ids, self.options.hottest)
+            report = HeatReport(summary.take(), ids)
         return report
 
     def _start_summary(self, ids: tuple[str, ...], rows: torch.Tensor) -> None:
