@@ -103,7 +103,21 @@ impl ResidencyManager {
             tried.insert(id);
             let own: Vec<u32> = match self.cfg.policy {
                 PressurePolicy::Fifo => self.newest_first(id),
-                _ => self.requests[&id].releasable.order().map(|(_, page)| page).collect(),
+                // Only a prefix of its pressure order matters: the move pays once hot_cost + 1 of its pages
+                // free a block, and below it releases upfront at most hot_cost pages that do (the pool's
+                // free count never drops below 0). So a long history is not walked.
+                _ => {
+                    let mut prefix = Vec::new();
+                    let mut frees = 0;
+                    for (_, page) in self.requests[&id].releasable.order() {
+                        if frees > hot_cost {
+                            break;
+                        }
+                        frees += (run.pins_left(self, id, page) == 1) as i64;
+                        prefix.push(page);
+                    }
+                    prefix
+                }
             };
             // Pages shared with other requests free nothing when this one lets go: count what it really frees.
             let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count();

@@ -264,7 +264,9 @@ impl ResidencyManager {
                 page,
                 gpu_block: e.gpu_block,
                 host_block: e.host_block,
-                releasable: r.releasable.contains(page),
+                // What the releasable set holds (the invariants audit checks they agree), read from the
+                // page at hand rather than looked up in a set that grows with context.
+                releasable: r.is_releasable(page, self.cfg.tail_pages),
             });
         }
         self.last_plan = resync::LastPlan { scheduled: plan.scheduled.clone(), restores };
