@@ -67,8 +67,7 @@ impl ResidencyManager {
             max_len,
             hashes: prefix_hashes.to_vec(),
             hot: None,
-            releasable: BTreeSet::new(),
-            cold: ColdPages::default(),
+            releasable: Releasable::default(),
             released: 0,
         };
         self.requests.insert(id, request);

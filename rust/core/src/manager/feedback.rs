@@ -31,9 +31,7 @@ impl ResidencyManager {
             let pages = r.pages.len() as u32;
             let coldest: Vec<(u32, u32)> = heat.coldest(i).filter(|&(_, page)| page < pages).collect();
             let hottest: Vec<(u32, u32)> = heat.hottest(i).filter(|&(_, page)| page < pages).collect();
-            let mut listed: Vec<u32> = coldest.iter().chain(&hottest).map(|&(_, page)| page).collect();
-            listed.sort_unstable();
-            r.cold = ColdPages { coldest, hottest, listed };
+            r.releasable.set_summary(&coldest, &hottest);
         }
         Ok(())
     }

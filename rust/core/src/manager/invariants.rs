@@ -92,8 +92,11 @@ impl ResidencyManager {
             if (host_only > 0 || released > 0) && r.row().is_some() && r.hot.is_none() {
                 return invariant(format!("request {id} reads through a hot region it does not hold"));
             }
-            if host_only != r.host_only || released != r.released || releasable != r.releasable {
+            if host_only != r.host_only || released != r.released || releasable != *r.releasable.pages() {
                 return invariant(format!("request {id}: page counters disagree with its pages"));
+            }
+            if !r.releasable.is_consistent() {
+                return invariant(format!("request {id}: its pressure order disagrees with its pages"));
             }
             if let Some(hot) = &r.hot {
                 if hot.len() != cfg.hot_blocks() as usize {

@@ -82,8 +82,7 @@ impl ResidencyManager {
         r.pages.truncate(from as usize);
         r.host_only = r.pages.iter().filter(|p| p.state.is_host_only()).count() as u32;
         r.released = r.pages.iter().filter(|p| matches!(p.state, PageState::Released { .. })).count() as u32;
-        r.releasable.retain(|&page| page < from);
-        r.cold = ColdPages::default();
+        r.releasable.truncate(from);
         r.status = Status::Preempted;
         self.free_rows.push(row);
         self.gpu_reserved -= self.cfg.request_footprint(self.req(id)?.max_len) as u64;

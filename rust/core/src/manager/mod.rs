@@ -11,7 +11,7 @@
 //! released are kept in per-request ordered sets, copies to plan in a queue, table updates in a list.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 
 use crate::block_pool::{BlockId, BlockPool, Reader};
 use crate::config::{Config, PressurePolicy};
@@ -21,6 +21,7 @@ use crate::host_pool::{HostBlockId, HostPool};
 use crate::ids::{IdMap, IdSet};
 use crate::page::{PageState, Residency, TransferId};
 use crate::plan::{HotUpdate, PageCopy, Restore, RowLength, Scheduled, StepPlan, TableUpdate, Transition};
+use releasable::Releasable;
 
 #[derive(Clone, Debug)]
 struct Page {
@@ -49,34 +50,12 @@ struct Request {
     max_len: u32,
     hashes: Vec<u64>,
     hot: Option<Vec<BlockId>>,
-    /// Clean pages outside the tail: what the pressure policy may release.
-    releasable: BTreeSet<u32>,
-    /// The latest heat summary's ranking of its releasable pages.
-    cold: ColdPages,
+    /// Clean pages outside the tail: what the pressure policy may release, in the order it releases them
+    /// (by the latest heat summary).
+    releasable: Releasable,
     host_only: u32,
     released: u32,
 }
-
-/// What the last heat summary said of a request: its coldest releasable pages, coldest first, its hottest
-/// (the least hot first), and every listed page sorted, to tell them from the others.
-#[derive(Clone, Debug, Default)]
-struct ColdPages {
-    coldest: Vec<(u32, u32)>,
-    hottest: Vec<(u32, u32)>,
-    listed: Vec<u32>,
-}
-
-impl ColdPages {
-    fn contains(&self, page: u32) -> bool {
-        self.listed.binary_search(&page).is_ok()
-    }
-}
-
-/// The heat given to releasable pages the last summary did not list (between its coldest and its hottest,
-/// or released after it) and to its hottest: the pressure order across requests is by heat, so every
-/// request's coldest pages go before any request's unlisted ones, and those before anyone's hottest.
-const UNLISTED: u32 = u32::MAX - 1;
-const HOTTEST: u32 = u32::MAX;
 
 impl Request {
     fn row(&self) -> Option<u32> {
@@ -92,17 +71,6 @@ impl Request {
 
     fn is_releasable(&self, page: u32, tail_pages: u32) -> bool {
         matches!(self.pages[page as usize].state, PageState::Clean { .. }) && !self.in_tail(page, tail_pages)
-    }
-
-    /// Its releasable pages in the order `coldest` lets them go: the last heat summary's coldest, coldest
-    /// first; then those it did not list, oldest first; then its hottest, the least hot first.
-    fn pressure_order(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        let releasable = |&(_, page): &(u32, u32)| self.releasable.contains(&page);
-        let coldest = self.cold.coldest.iter().copied().filter(releasable);
-        let rest =
-            self.releasable.iter().filter(|&&page| !self.cold.contains(page)).map(|&page| (UNLISTED, page));
-        let hottest = self.cold.hottest.iter().copied().filter(releasable).map(|(_, page)| (HOTTEST, page));
-        coldest.chain(rest).chain(hottest)
     }
 
     fn residency(&self, tail_pages: u32) -> Residency {
@@ -265,6 +233,7 @@ mod invariants;
 mod leaving;
 mod pages;
 mod pressure;
+mod releasable;
 mod resync;
 mod step;
 mod views;

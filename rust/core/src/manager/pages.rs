@@ -10,7 +10,7 @@ impl ResidencyManager {
         let prev = r.pages[page as usize].state;
         r.pages[page as usize].state = next;
         let releasable = r.is_releasable(page, tail);
-        let flag_changed = if releasable { r.releasable.insert(page) } else { r.releasable.remove(&page) };
+        let flag_changed = r.releasable.set(page, releasable);
         let table_changed = flag_changed || prev.table_entry() != next.table_entry();
         r.host_only = r.host_only + next.is_host_only() as u32 - prev.is_host_only() as u32;
         let was_released = matches!(prev, PageState::Released { .. }) as u32;

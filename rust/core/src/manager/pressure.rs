@@ -1,6 +1,7 @@
 //! Pressure: which pages to release (and which requests lease a hot region) to keep the watermark,
 //! decided in a dry run that mutates nothing, then carried out.
 
+use super::releasable::Order;
 use super::*;
 use crate::pool_policy::worth_transition;
 
@@ -35,24 +36,13 @@ impl DryRun {
     }
 }
 
-/// A request's releasable pages in pressure order, from some point on.
-type Cursor<'a> = (u64, Box<dyn Iterator<Item = (u32, u32)> + 'a>);
-type ColdHeap = BinaryHeap<Reverse<(u32, u32, u64, usize)>>;
-
-fn add_cursor<'a>(
-    requests: &'a IdMap<u64, Request>,
+/// One request in the pressure merge, and its releasable pages in pressure order after the one it has in
+/// the heap: opened when the merge first takes one of its pages (most requests give none in a step).
+struct Cursor<'a> {
     id: u64,
-    skip: usize,
-    cursors: &mut Vec<Cursor<'a>>,
-    heap: &mut ColdHeap,
-) {
-    let r = &requests[&id];
-    let mut it = r.pressure_order().skip(skip);
-    if let Some((heat, page)) = it.next() {
-        heap.push(Reverse((heat, page, r.order, cursors.len())));
-    }
-    cursors.push((id, Box::new(it)));
+    order: Option<Order<'a>>,
 }
+type ColdHeap = BinaryHeap<Reverse<(u32, u32, u64, usize)>>;
 
 impl ResidencyManager {
     /// Plans the releases (and hot leases) that bring free blocks to `needed + watermark`, or as close as
@@ -73,20 +63,36 @@ impl ResidencyManager {
         if run.free >= target {
             return (run.actions, run.free);
         }
-        // A merge of the requests' releasable sets, coldest first: a heap of each request's next page.
+        // A merge of the requests' releasable sets, coldest first: a heap of each request's next page. It
+        // starts from the front of its order each request keeps, so a step reads one field per hot-region
+        // holder and walks the pages only of the requests it releases from.
         let mut cursors: Vec<Cursor<'_>> = Vec::new();
         let mut heap = ColdHeap::new();
         if self.cfg.policy == PressurePolicy::Coldest {
-            // Pages of requests that already hold a hot region cost nothing extra to release.
-            for id in self.hot_holders() {
-                add_cursor(&self.requests, id, 0, &mut cursors, &mut heap);
+            // Pages of requests that already hold a hot region cost nothing extra to release. Any order of
+            // them will do: no two requests share an `order`, so the heap's keys never tie.
+            for (&id, r) in &self.requests {
+                if r.hot.is_none() || r.row().is_none() {
+                    continue;
+                }
+                if let Some((heat, page)) = r.releasable.front() {
+                    heap.push(Reverse((heat, page, r.order, cursors.len())));
+                }
+                cursors.push(Cursor { id, order: None });
             }
         }
         let mut tried: IdSet<u64> = IdSet::default();
         while run.free < target {
             if let Some(Reverse((_, page, order, i))) = heap.pop() {
-                run.release(self, cursors[i].0, page);
-                if let Some((heat, next)) = cursors[i].1.next() {
+                let Cursor { id, order: pages } = &mut cursors[i];
+                run.release(self, *id, page);
+                let pages = pages.get_or_insert_with(|| {
+                    // Opened at its front: the page just taken.
+                    let mut pages = self.requests[id].releasable.order();
+                    pages.next();
+                    pages
+                });
+                if let Some((heat, next)) = pages.next() {
                     heap.push(Reverse((heat, next, order, i)));
                 }
                 continue;
@@ -97,7 +103,21 @@ impl ResidencyManager {
             tried.insert(id);
             let own: Vec<u32> = match self.cfg.policy {
                 PressurePolicy::Fifo => self.newest_first(id),
-                _ => self.requests[&id].pressure_order().map(|(_, page)| page).collect(),
+                // Only a prefix of its pressure order matters: the move pays once hot_cost + 1 of its pages
+                // free a block, and below it releases upfront at most hot_cost pages that do (the pool's
+                // free count never drops below 0). So a long history is not walked.
+                _ => {
+                    let mut prefix = Vec::new();
+                    let mut frees = 0;
+                    for (_, page) in self.requests[&id].releasable.order() {
+                        if frees > hot_cost {
+                            break;
+                        }
+                        frees += (run.pins_left(self, id, page) == 1) as i64;
+                        prefix.push(page);
+                    }
+                    prefix
+                }
             };
             // Pages shared with other requests free nothing when this one lets go: count what it really frees.
             let gain = own.iter().filter(|&&page| run.pins_left(self, id, page) == 1).count();
@@ -122,7 +142,13 @@ impl ResidencyManager {
             run.actions.push(Action::LeaseHot { request: id });
             run.free -= hot_cost;
             if self.cfg.policy == PressurePolicy::Coldest {
-                add_cursor(&self.requests, id, upfront, &mut cursors, &mut heap);
+                // Its pages after those released upfront join the merge.
+                let r = &self.requests[&id];
+                let mut pages = r.releasable.order();
+                if let Some((heat, page)) = pages.nth(upfront) {
+                    heap.push(Reverse((heat, page, r.order, cursors.len())));
+                }
+                cursors.push(Cursor { id, order: Some(pages) });
             }
         }
         (run.actions, run.free)

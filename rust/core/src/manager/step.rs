@@ -73,7 +73,7 @@ impl ResidencyManager {
 
     /// A request's releasable pages, newest first: the order in which vLLM lets them go.
     pub(super) fn newest_first(&self, id: u64) -> Vec<u32> {
-        self.requests[&id].releasable.iter().rev().copied().collect()
+        self.requests[&id].releasable.pages().iter().rev().copied().collect()
     }
 
     pub(super) fn grow(&mut self, id: u64, tokens: u32) -> Result<()> {
@@ -95,7 +95,7 @@ impl ResidencyManager {
         let r = self.requests.get_mut(&id).expect("checked above");
         r.seq_len = new_len;
         for page in old_pages.saturating_sub(tail) as u32..new_pages.saturating_sub(tail) as u32 {
-            if r.is_releasable(page, tail as u32) && r.releasable.insert(page) {
+            if r.is_releasable(page, tail as u32) && r.releasable.set(page, true) {
                 self.pending.pages.push((id, page));
             }
         }
@@ -264,7 +264,9 @@ impl ResidencyManager {
                 page,
                 gpu_block: e.gpu_block,
                 host_block: e.host_block,
-                releasable: r.releasable.contains(&page),
+                // What the releasable set holds (the invariants audit checks they agree), read from the
+                // page at hand rather than looked up in a set that grows with context.
+                releasable: r.is_releasable(page, self.cfg.tail_pages),
             });
         }
         self.last_plan = resync::LastPlan { scheduled: plan.scheduled.clone(), restores };
