@@ -909,6 +909,22 @@ def _resident_flag_barriers(h: Harness, seed: int, preempt: float) -> None:
                                  f"not {want}")
 
 
+def _resident_flag_one_bad(h: Harness, seed: int, preempt: float) -> None:
+    """Requests flagged resident whose selection holds one bad block (the null block, or one == gpu_blocks), on a
+    page no other element selects, at an element that is never lane 0's: its warp alone must raise BAD_TABLE."""
+    rng = random.Random(seed)
+    case = _small(seed, flagged=1.0)  # every request flagged, every page with a block
+    bs, P = case["block_size"], case["block_table"].shape[1]
+    gpu_blocks = case["gpu_layers"][0].shape[0] // bs
+    case["row_state"] = torch.tensor(rng.sample(range(4), 4), dtype=torch.int32)
+    case["topk"] = torch.tensor([[page * bs + rng.randrange(bs) for page in rng.sample(range(P), P)]
+                                 for _ in range(4)], dtype=torch.int32)
+    for i, r in enumerate(case["row_state"].tolist()):
+        page = int(case["topk"][i, rng.randrange(1, P)]) // bs
+        case["block_table"][r, page] = rng.choice([0, gpu_blocks])
+    run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(r, HS_BAD_TABLE) for r in range(4)])
+
+
 def _gather(h: Harness, seed: int, preempt: float) -> None:
     rng = random.Random(seed)
     case = make_case(seed, S=1, P=8, bs=4, H=8, L=1, rb=rng.choice([16, 48, 656]))
@@ -942,6 +958,7 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "copy_blocks": _copy(True),
     "resident_flag_barriers": _resident_flag_barriers,
     "gather": _gather,
+    "resident_flag_one_bad": _resident_flag_one_bad,
 }
 # The suite's order: first one kind for each part of the kernels (a mutant usually fails in these), then the rest.
 FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "invalidate", "replay_layers",
