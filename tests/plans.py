@@ -74,7 +74,8 @@ def crafted(valid: bytes) -> list[tuple[str, bytes]]:
     out = [(f"truncated to {n} bytes", valid[:n]) for n in sorted({0, 3, 4, 8, 12, 24, 55, len(valid) // 2,
                                                                  len(valid) - 8, len(valid) - 1})]
     out += [("8 trailing bytes", valid + bytes(8)), ("1 trailing byte", valid + b"\0"),
-            ("bad magic", b"HSPX" + valid[4:]), ("version 2", valid[:4] + struct.pack("<I", 2) + valid[8:]),
+            ("bad magic", b"HSPX" + valid[4:]), ("version 1", valid[:4] + struct.pack("<I", 1) + valid[8:]),
+            ("version 3", valid[:4] + struct.pack("<I", 3) + valid[8:]),
             ("a heat summary's magic", b"HSHT" + valid[4:])]
 
     def with_word(i: int, value: int) -> bytes:
@@ -85,7 +86,10 @@ def crafted(valid: bytes) -> list[tuple[str, bytes]]:
     for i, name in enumerate(["hot-region width", *_SECTIONS], start=5):
         for value in (words[i] + 1, 2**31, 2**32 - 1):
             out.append((f"{name} count {value}", with_word(i, value)))
-    table_at = 14 + words[6] + 2 * words[7]  # the first table update's words, if any
+    lens_at = 14 + words[6]  # the first length entry's words, if any
+    if words[7]:
+        out.append(("length flag 2", with_word(lens_at + 2, 2)))
+    table_at = lens_at + 3 * words[7]  # the first table update's words, if any
     if words[8]:
         out.append(("table flag 2", with_word(table_at + 4, 2)))
     return out
