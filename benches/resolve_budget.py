@@ -9,8 +9,14 @@ The cases:
 
 - ``hit_only_h4096``, ``hit_only_h10240``, ``hit_only_h32768``: every selected position cached in a hot region of
   H rows (32K-token requests; 64K for H = 32,768), nothing resident;
-- ``resident_only``: every page resident on the GPU (H = 4,096), so no position reaches the hot region;
-- ``miss20_h4096``: 20% of each request's positions absent from its hot region (410 misses).
+- ``resident_only``: every page resident on the GPU (H = 4,096), so no position reaches the hot region, and the
+  request flagged resident (SPEC.md's ``resident``, which the core sets in the plan): the resident path;
+- ``miss20_h4096``: 20% of each request's positions absent from its hot region (410 misses);
+- ``resident_unflagged``: ``resident_only`` without the flag, as an integration that does not carry it resolves it;
+- ``mtp5_1m_hash``, ``mtp5_1m_windowed``: requests of 5 batch rows (MTP 4) at 1M tokens selecting 10,240 distinct
+  positions, every one cached in a hot region of 10,240 rows; on a 227 KB part (sm_90: the hash table takes the
+  whole selection) and on a 99 KB part (sm_120: the table is clamped to 3/4 of that, so first occurrences and U's
+  lookups go window by window, 2 * table entries positions a window: ``windows`` per request).
 
 Per case, over the call's requests (means):
 
@@ -47,9 +53,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kernel_harness import Harness, HarnessError, build  # noqa: E402
-from kernel_harness.cases import SMEM_SM90, run_resolve  # noqa: E402
+from kernel_harness.cases import run_resolve  # noqa: E402
 
 from hisparse.errors import ConfigError  # noqa: E402
+from hisparse.kernels.launch import SHARED_MEMORY_PER_BLOCK, resolve_shared  # noqa: E402
 
 TOP_K = 2048
 ROW_BYTES = 656
@@ -60,37 +67,44 @@ CASES = {
     "hit_only_h4096": {"hot_rows": 4096, "miss_rate": 0.0},
     "hit_only_h10240": {"hot_rows": 10240, "miss_rate": 0.0},
     "hit_only_h32768": {"hot_rows": 32768, "miss_rate": 0.0, "seq_len": 65536},
-    "resident_only": {"hot_rows": 4096, "miss_rate": 0.0, "resident": True},
+    "resident_only": {"hot_rows": 4096, "miss_rate": 0.0, "resident": True, "flagged": True},
     "miss20_h4096": {"hot_rows": 4096, "miss_rate": 0.2},
+    "resident_unflagged": {"hot_rows": 4096, "miss_rate": 0.0, "resident": True},
+    "mtp5_1m_hash": {"hot_rows": 10240, "miss_rate": 0.0, "seq_len": 1 << 20, "rows": 5, "smem": "sm_90"},
+    "mtp5_1m_windowed": {"hot_rows": 10240, "miss_rate": 0.0, "seq_len": 1 << 20, "rows": 5, "smem": "sm_120"},
 }
 
 
 def make_case(*, hot_rows: int, miss_rate: float, batch: int, seed: int, seq_len: int = 32768,
-              resident: bool = False) -> dict:
-    """CPU state and inputs of ``batch`` one-row requests (the shape of ``kernel_bench.build``)."""
+              resident: bool = False, flagged: bool = False, rows: int = 1, smem: str = "sm_90") -> dict:
+    """CPU state and inputs of ``batch`` requests of ``rows`` batch rows each (the shape of
+    ``kernel_bench.build``; no position twice in a request's selection)."""
     gen = torch.Generator().manual_seed(seed)
     pages = seq_len // BLOCK_SIZE
     hb = -(-hot_rows // BLOCK_SIZE)
-    misses = round(miss_rate * TOP_K)
+    selected = rows * TOP_K
+    misses = round(miss_rate * selected)
     hot_pos = torch.empty(batch, 1, hot_rows, dtype=torch.int32)
     hot_stamp = torch.empty(batch, 1, hot_rows, dtype=torch.int64)
-    topk = torch.empty(batch, TOP_K, dtype=torch.int32)
+    topk = torch.empty(batch * rows, TOP_K, dtype=torch.int32)
     for r in range(batch):
         order = torch.randperm(seq_len, generator=gen).int()
         cached, absent = order[:hot_rows], order[hot_rows:]
         hot_pos[r, 0] = cached
         hot_stamp[r, 0] = torch.randperm(hot_rows, generator=gen)  # distinct stamps in random order
-        chosen = torch.cat([cached[: TOP_K - misses], absent[:misses]])
-        topk[r] = chosen[torch.randperm(TOP_K, generator=gen)]
+        chosen = torch.cat([cached[: selected - misses], absent[:misses]])
+        topk[r * rows:(r + 1) * rows] = chosen[torch.randperm(selected, generator=gen)].view(rows, TOP_K)
     hot_blocks = 1 + torch.arange(batch * hb, dtype=torch.int32).view(batch, hb)
     gpu_blocks = 1 + batch * hb
     block_table = torch.zeros(batch, pages, dtype=torch.int32)
     if resident:
         block_table = gpu_blocks + torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
         gpu_blocks += batch * pages
+    flags = {"resident": torch.ones(batch, dtype=torch.uint8)} if flagged else {}
     return {
+        **flags,
         "topk": topk,
-        "row_state": torch.arange(batch, dtype=torch.int32),
+        "row_state": torch.arange(batch, dtype=torch.int32).repeat_interleave(rows),
         "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32),
         "block_table": block_table,
         "host_table": torch.arange(batch * pages, dtype=torch.int32).view(batch, pages) % HOST_BLOCKS,
@@ -113,9 +127,16 @@ def measure(h: Harness, name: str, batch: int, seed: int) -> dict:
     params = CASES[name]
     case = make_case(**params, batch=batch, seed=seed)
     began = time.monotonic()
-    row = {"hot_rows": params["hot_rows"], "seq_len": int(case["seq_lens"][0]), "requests": batch}
+    rows, smem = params.get("rows", 1), SHARED_MEMORY_PER_BLOCK[params.get("smem", "sm_90")]
+    row = {"hot_rows": params["hot_rows"], "seq_len": int(case["seq_lens"][0]), "requests": batch,
+           "rows_per_request": rows, "smem": params.get("smem", "sm_90")}
     try:
-        run_resolve(h, case, group=0, seed=seed, preempt=0.05, max_smem=SMEM_SM90)
+        shared = resolve_shared(top_k=TOP_K, hot_rows=params["hot_rows"], batch_rows=batch * rows,
+                                rows_per_request=rows, limit=smem)
+        if shared.fast_positions < rows * TOP_K:  # the selection's distinct positions past the table: windows
+            row["windows"] = -(-row["seq_len"] // (2 * shared.capacity))
+        row["table_entries"] = shared.capacity
+        run_resolve(h, case, group=0, seed=seed, preempt=0.05, max_smem=smem, rows_per_request=rows)
         matched, error = True, None
     except ConfigError as e:
         h.free()

@@ -255,6 +255,30 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
   }
 }
 
+// The resident path's row id of one element (SPEC.md: a request flagged resident reads every page in place): its
+// block's row, or -1, with BAD_TABLE in `status` for a block outside 1 .. gpu_blocks (the null block among them),
+// one atomic per warp that sees one. Every lane of the warp must call it.
+__device__ __forceinline__ void resolve_in_place(const int* bt_row, int bs, int gpu_blocks, int pos, bool active,
+                                                 int* out_gi, int* status) {
+  const int block = pos >= 0 ? bt_row[pos / bs] : 0;
+  const bool in_slab = block > 0 && block < gpu_blocks;
+  if (active) *out_gi = in_slab ? block * bs + pos % bs : -1;
+  if (__any_sync(HS_FULL_MASK, pos >= 0 && !in_slab) && (threadIdx.x & 31) == 0) atomicOr(status, HS_BAD_TABLE);
+}
+
+// The resident path over the hash table of first occurrences (phase A's): heat and row ids. Not inlined: inlined,
+// its probe loop pushes resolve past 64 registers on sm_90, where the rest then spills.
+__device__ __noinline__ void resolve_resident_hashed(const u64* tab, u32 cap, const int* rows, int n_rows, int K,
+                                                     const int* topk, int len, const int* bt_row, int bs,
+                                                     int gpu_blocks, int* heat_row, int* out, int* status) {
+  for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+    const int raw = active ? topk[gi] : -1;
+    const int pos = raw >= 0 && raw < len ? raw : -1;
+    add_heat(heat_row, pos >= 0 && table_value(tab, cap, pos) == q ? pos / bs : -1);
+    resolve_in_place(bt_row, bs, gpu_blocks, pos, active, &out[gi], status);
+  });
+}
+
 // resolve(topk, row_state, g, layers) of SPEC.md for one index group, all requests in one launch: the request's
 // misses also go to `plan` / `plan_count` in the miss-plan format of SPEC.md, for hisparse_replay to copy into
 // the group's other layers. The CTA copies its own misses into the call's layers (`layers`: the table of
@@ -279,7 +303,8 @@ __device__ __forceinline__ void for_each_element(const int* rows, int n_rows, in
 // A step without misses on the short path (below) writes its row ids, its heat and the stamps of U's slots, and
 // nothing else: no scan of U, no entries, no LRU pass, no plan, no copies. Its barriers (one request row): phase
 // A's first (which also counts the request's rows), its table's, its marks', and the checks' (which phase B
-// shares): four; a request that selects nothing outside the resident pages skips the last.
+// shares): four; a request that selects nothing outside the resident pages skips the last. A request the core
+// flags resident (`resident[r]`, below) takes the resident path: phase A's first two barriers and nothing else.
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
@@ -288,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     hisparse_resolve(const int* __restrict__ topk, const int* __restrict__ row_state,
                      const int* __restrict__ seq_lens, const int* __restrict__ block_table,
                      const int* __restrict__ host_table, const int* __restrict__ hot_blocks,
-                     int* __restrict__ hot_pos, i64* __restrict__ hot_stamp, i64* __restrict__ hot_clock,
+                     const u8* __restrict__ resident, int* __restrict__ hot_pos, i64* __restrict__ hot_stamp, i64* __restrict__ hot_clock,
                      int* __restrict__ heat,
                      int* __restrict__ status, u64* __restrict__ counters, int* __restrict__ out,
                      u64* __restrict__ plan, int* __restrict__ plan_count, const u64* __restrict__ layers,
@@ -369,8 +394,6 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   int votes = 0;
   for (int w = 0; w < (nt + 31) >> 5; ++w) votes |= warp_sums[w];
   if (votes & 1) return;
-  // Read once, here: only this CTA writes it (at the end), and the CTAs of r's other rows never read it.
-  if (tid == 0) s_clock = hot_clock[(i64)r * G + g];
   // The request's batch rows: i0 alone (a decode step without speculation: no scan), or every row of r.
   int n_rows = 1;
   if (votes & 2) {
@@ -391,6 +414,53 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (pos >= 0 && !table_insert_min(tab, cap, pos, q, claimed, limit)) s_full = 1;
   });
   __syncthreads();
+
+  // First occurrences, window by window, for a selection of more distinct positions than the table takes: a
+  // direct-mapped array of first request indices over tab needs no probing. visit(gi, pos, first) sees every
+  // element once per window (pos -1 when invalid; first only in the window of pos); for_each_element gives an
+  // element to one thread in every pass.
+  auto windowed_firsts = [&](auto visit) {
+    u32* first_at = (u32*)tab;
+    for (u32 w = 0; w < (u32)len; w += window) {
+      for (u32 k = tid; k < window; k += nt) first_at[k] = HS_NONE;
+      __syncthreads();
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        if (pos >= 0 && (u32)pos - w < window) atomicMin(&first_at[pos - w], q);
+      });
+      __syncthreads();
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        visit(gi, pos, pos >= 0 && (u32)pos - w < window && first_at[pos - w] == q);
+      });
+      __syncthreads();  // first_at is cleared next
+    }
+  };
+
+  // The resident path: a request flagged resident reads every page in place (SPEC.md), so it has no U: each element
+  // writes its row id (-1 and BAD_TABLE for a block outside 1 .. gpu_blocks, the null block among them) and each
+  // first occurrence its heat, and that is all: no hot state, no entries, no plan, and with the table no barrier
+  // after phase A's two (one request row). Bad blocks go straight to status, one atomic per warp that sees one, as
+  // no barrier follows to gather them in s_status. (`resident` may be null: no request flagged.)
+  if (resident != nullptr && resident[r] != 0) {
+    if (!s_full) {
+      resolve_resident_hashed(tab, (u32)cap, rows, n_rows, K, topk, len, bt_row, bs, gpu_blocks, heat_row, out,
+                              &status[r]);
+    } else {
+      windowed_firsts([&](u32, int pos, bool first) { add_heat(heat_row, first ? pos / bs : -1); });
+      for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
+        resolve_in_place(bt_row, bs, gpu_blocks, position(gi, active), active, &out[gi], &status[r]);
+      });
+    }
+    for (int o = tid; o < n_rows; o += nt) plan_count[rows[o]] = 0;
+    if (tid == 0 && s_status != 0) atomicOr(&status[r], s_status);  // tid 0's own flag (the length's)
+    return;
+  }
+
+  // Read once, here (a flagged request never has a U to stamp): only this CTA writes it (at the end), and the CTAs
+  // of r's other rows never read it. Its first reader is behind a barrier still to come (phase A's marks, or the
+  // checks', which every request with a U passes).
+  if (tid == 0) s_clock = hot_clock[(i64)r * G + g];
 
   int n = 0;  // |U|
   const int count = n_rows * K;
@@ -472,31 +542,17 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       n += total;
     }
   } else {
-    // More distinct positions than the table takes: windows of positions, where a direct-mapped array of
-    // first request indices needs no probing; out[gi] marks U's members (-1 for the others) until they are
-    // gathered in request order. for_each_element gives an element to one thread in every pass.
-    u32* first_at = (u32*)tab;
+    // More distinct positions than the table takes: windowed first occurrences (above); out[gi] marks U's members
+    // (-1 for the others) until they are gathered in request order.
     for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
       if (active) out[gi] = -1;
     });
-    for (u32 w = 0; w < (u32)len; w += window) {
-      for (u32 k = tid; k < window; k += nt) first_at[k] = HS_NONE;
-      __syncthreads();
-      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-        const int pos = position(gi, active);
-        if (pos >= 0 && (u32)pos - w < window) atomicMin(&first_at[pos - w], q);
-      });
-      __syncthreads();
-      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-        const int pos = position(gi, active);
-        const bool first = pos >= 0 && (u32)pos - w < window && first_at[pos - w] == q;
-        add_heat(heat_row, first ? pos / bs : -1);
-        const int block = first ? block_of(pos) : 1;
-        if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
-        if (block == 0) out[gi] = pos;
-      });
-      __syncthreads();  // first_at is cleared next
-    }
+    windowed_firsts([&](u32 gi, int pos, bool first) {
+      add_heat(heat_row, first ? pos / bs : -1);
+      const int block = first ? block_of(pos) : 1;
+      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+      if (block == 0) out[gi] = pos;
+    });
     for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
       const int pos = active ? out[gi] : -1;
       int total;

@@ -11,7 +11,8 @@ _RESIDENCY = {"full": 0, "mixed": 1, "none": 2}
 
 
 def encode(missing_blocks=0, released_pages=0, lost_pages=0, **sections) -> bytes:
-    """``sections`` as ``StepPlan``'s views give them: cleared_rows [row], seq_lens [(row, len, request)], table_updates
+    """``sections`` as ``StepPlan``'s views give them: cleared_rows [row], seq_lens [(row, len, request)] or
+    [(row, len, request, resident)] (not resident when left out), table_updates
     [(row, page, gpu_block, host_block, releasable)], hot_updates [(row, blocks)], restores [(gpu, host)],
     materialize [(transfer, gpu, host)], scheduled [(request, row, start, tokens)], transitions
     [(request, from, to)]. Values are written as the wire's u32 (negative ones wrap, as they would on it)."""
@@ -20,10 +21,10 @@ def encode(missing_blocks=0, released_pages=0, lost_pages=0, **sections) -> byte
         raise TypeError(f"unknown sections {unknown}")
     s = {name: list(sections.get(name, ())) for name in _SECTIONS}
     hot_blocks = max((len(blocks) for _, blocks in s["hot_updates"]), default=0)
-    words = [int.from_bytes(b"HSPL", "little"), 1, missing_blocks, released_pages, lost_pages, hot_blocks]
+    words = [int.from_bytes(b"HSPL", "little"), 2, missing_blocks, released_pages, lost_pages, hot_blocks]
     words += [len(s[name]) for name in _SECTIONS]
     words += s["cleared_rows"]
-    words += [v for row, n, _ in s["seq_lens"] for v in (row, n)]
+    words += [v for row, n, _, *flag in s["seq_lens"] for v in (row, n, int(bool(flag and flag[0])))]
     words += [v for row, page, gpu, host, flag in s["table_updates"] for v in (row, page, gpu, host, int(flag))]
     for row, blocks in s["hot_updates"]:
         words += [row, len(blocks), *blocks, *[0] * (hot_blocks - len(blocks))]
@@ -33,7 +34,7 @@ def encode(missing_blocks=0, released_pages=0, lost_pages=0, **sections) -> byte
     words += [_RESIDENCY[v] for _, a, b in s["transitions"] for v in (a, b)]
     if len(words) % 2:
         words.append(0)
-    longs = [t for t, _, _ in s["materialize"]] + [r for _, _, r in s["seq_lens"]]
+    longs = [t for t, _, _ in s["materialize"]] + [r for _, _, r, *_ in s["seq_lens"]]
     longs += [r for r, *_ in s["scheduled"]] + [r for r, *_ in s["transitions"]]
     return struct.pack(f"<{len(words)}I", *(w & 0xFFFFFFFF for w in words)) + struct.pack(f"<{len(longs)}Q", *longs)
 
@@ -73,7 +74,8 @@ def crafted(valid: bytes) -> list[tuple[str, bytes]]:
     out = [(f"truncated to {n} bytes", valid[:n]) for n in sorted({0, 3, 4, 8, 12, 24, 55, len(valid) // 2,
                                                                  len(valid) - 8, len(valid) - 1})]
     out += [("8 trailing bytes", valid + bytes(8)), ("1 trailing byte", valid + b"\0"),
-            ("bad magic", b"HSPX" + valid[4:]), ("version 2", valid[:4] + struct.pack("<I", 2) + valid[8:]),
+            ("bad magic", b"HSPX" + valid[4:]), ("version 1", valid[:4] + struct.pack("<I", 1) + valid[8:]),
+            ("version 3", valid[:4] + struct.pack("<I", 3) + valid[8:]),
             ("a heat summary's magic", b"HSHT" + valid[4:])]
 
     def with_word(i: int, value: int) -> bytes:
@@ -84,7 +86,10 @@ def crafted(valid: bytes) -> list[tuple[str, bytes]]:
     for i, name in enumerate(["hot-region width", *_SECTIONS], start=5):
         for value in (words[i] + 1, 2**31, 2**32 - 1):
             out.append((f"{name} count {value}", with_word(i, value)))
-    table_at = 14 + words[6] + 2 * words[7]  # the first table update's words, if any
+    lens_at = 14 + words[6]  # the first length entry's words, if any
+    if words[7]:
+        out.append(("length flag 2", with_word(lens_at + 2, 2)))
+    table_at = lens_at + 3 * words[7]  # the first table update's words, if any
     if words[8]:
         out.append(("table flag 2", with_word(table_at + 4, 2)))
     return out

@@ -353,12 +353,33 @@ def test_the_device_path_of_apply_equals_the_reference():
     """``_apply_torch`` is what a CUDA worker runs; on CPU tensors it must leave exactly what Rust leaves."""
     ref, torch_path = filled(), filled()
     hot = [(0, [3, 4, 5, 6]), (1, []), (4, [7, 8, 9, 10])]
-    plan = make_plan(**{**VALID, "cleared_rows": [5, 4], "hot_updates": hot})
+    lens = [(0, 9, 7, True), (1, 96, 2**64 - 1)]  # row 0's request resident, row 1's not
+    plan = make_plan(**{**VALID, "cleared_rows": [5, 4], "hot_updates": hot, "seq_lens": lens})
+    assert plan.resident_rows == [(0, True), (1, False)]
     ref.apply(plan)
     torch_path._apply_torch(plan)
     assert_unchanged(torch_path, snapshot(ref))
     assert ref.state["row_request"][1] == -1  # u64::MAX as its int64 bits
     assert ref.state["releasable"][0, 1] == 1 and ref.state["host_table"][0, 1] == 7
+    assert ref.state["resident"][:2].tolist() == [1, 0]
+    ref.apply(make_plan(cleared_rows=[0]))
+    assert ref.state["resident"][0] == 0
+
+
+def test_resolve_reads_the_resident_flag_apply_set():
+    """A request the plan flags resident takes resolve's resident path: a selected page without a block is then
+    corrupt state (-1, BAD_TABLE) instead of a miss through the hot region."""
+    outs = []
+    for resident in (False, True):
+        dp = DataPath(LAYOUT)
+        dp.apply(make_plan(seq_lens=[(0, 9, 7, resident)], table_updates=[(0, 0, 1, 2, False)],
+                           hot_updates=[(0, [3, 4, 5, 6])]))
+        dp.state["block_table"][0, 0] = 0  # the page loses its block, as no plan of the core's would leave it
+        outs.append((dp.resolve(torch.tensor([[3, -1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)),
+                     int(dp.state["status"][0])))
+    (miss, ok), (bad, status) = outs
+    assert miss[0, 0] >= 0 and ok == 0
+    assert bad[0].tolist() == [-1, -1] and status == 4
 
 
 def manager(**larger) -> ResidencyManager:

@@ -184,7 +184,7 @@ def test_the_harness_counts_barriers_and_global_bytes_per_request():
     top_k = report["shape"]["top_k"]
     assert report["all_matched"], json.dumps(report["cases"], indent=1)
     assert set(report["cases"]) == {"hit_only_h4096", "hit_only_h10240", "hit_only_h32768", "resident_only",
-                                    "miss20_h4096"}
+                                    "miss20_h4096", "resident_unflagged", "mtp5_1m_hash", "mtp5_1m_windowed"}
     for name, case in report["cases"].items():
         if not case["ran"]:
             assert name == "hit_only_h32768" and case["why"], case  # only the largest may not fit shared memory
@@ -203,3 +203,8 @@ def test_the_harness_counts_barriers_and_global_bytes_per_request():
     # The hit path's budget at H = 10,240 (issue 17): <= 6 barriers and <= 128 KB a request.
     h10k = report["cases"]["hit_only_h10240"]
     assert h10k["barriers_per_request"] <= 6 and h10k["global_bytes_per_request"] <= 128 * 1024, h10k
+    # A request flagged resident takes the resident path: phase A's two barriers, one fewer than unflagged.
+    flagged, unflagged = report["cases"]["resident_only"], report["cases"]["resident_unflagged"]
+    assert flagged["barriers_per_request"] == 2 < unflagged["barriers_per_request"], (flagged, unflagged)
+    # The windowed path at 1M tokens on a 99 KB part runs windows; the same shape on 227 KB hashes.
+    assert report["cases"]["mtp5_1m_windowed"]["windows"] > 1 and "windows" not in report["cases"]["mtp5_1m_hash"]

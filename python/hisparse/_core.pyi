@@ -51,6 +51,9 @@ class StepPlan:
     def seq_lens(self) -> list[tuple[int, int, int]]:
         """(row, seq_len, request_id): a row's length after the step and the request it serves."""
     @property
+    def resident_rows(self) -> list[tuple[int, bool]]:
+        """(row, resident) of every length entry, in order: whether every page of the row's request is resident."""
+    @property
     def table_updates(self) -> list[tuple[int, int, int, int, bool]]:
         """(row, page, gpu_block or 0, host_block or -1, releasable)"""
     @property

@@ -28,12 +28,12 @@ from .heat import HeatOptions, HeatSummaryInFlight, heat_ranks, rank_heat
 RESOLVE_FIELDS = ("seq_lens", "block_table", "host_table", "hot_blocks", "hot_pos", "hot_stamp", "hot_clock", "heat",
                   "status", "counters")
 #: What ``apply`` writes, in the order ``_core._ref_apply`` takes it.
-APPLY_FIELDS = ("seq_lens", "block_table", "host_table", "releasable", "row_request", "hot_blocks", "hot_pos",
-                "hot_stamp", "hot_clock", "heat", "status")
+APPLY_FIELDS = ("seq_lens", "block_table", "host_table", "releasable", "row_request", "resident", "hot_blocks",
+                "hot_pos", "hot_stamp", "hot_clock", "heat", "status")
 #: What ``heat_summary`` reads (and decays), in the order ``_core._ref_heat_summary`` takes it.
 HEAT_FIELDS = ("seq_lens", "releasable", "row_request", "heat")
-_DTYPES = {"releasable": torch.uint8, "row_request": torch.int64, "counters": torch.int64, "hot_stamp": torch.int64,
-           "hot_clock": torch.int64}
+_DTYPES = {"releasable": torch.uint8, "resident": torch.uint8, "row_request": torch.int64, "counters": torch.int64,
+           "hot_stamp": torch.int64, "hot_clock": torch.int64}
 
 
 def _buf(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
@@ -110,11 +110,13 @@ def resolve_reference(
     group: int,
     block_size: int,
     out: torch.Tensor,
+    resident: torch.Tensor | None = None,
 ) -> None:
     """``resolve`` of SPEC.md on CPU tensors (the keywords of :func:`hisparse.kernels.ops.resolve`, less
     ``miss_plan`` / ``miss_count``, which only the CUDA resolver records).
 
-    ``gpu_layers`` / ``host_layers`` are the group's layers, each ``[rows, row_bytes]`` uint8.
+    ``gpu_layers`` / ``host_layers`` are the group's layers, each ``[rows, row_bytes]`` uint8; ``resident``
+    (uint8 [S]) flags the requests whose every page is resident, None none.
     """
     if topk.dim() != 2:
         raise InvalidArgumentError(f"topk must be [rows, top_k], not {list(topk.shape)}")
@@ -140,6 +142,9 @@ def resolve_reference(
     host_bufs = [_rows_view(t, name, row_bytes) for name, t in host.items()]
     topk_buf = _buf(topk, "topk", torch.int32)
     row_state_buf = _buf(row_state, "row_state", torch.int32, (rows,))
+    resident_buf = (0, 0) if resident is None else _buf(resident, "resident", torch.uint8, (s,))
+    if resident is not None:
+        read["resident"] = resident
     out_buf = _buf(out, "out", torch.int32, (rows, top_k))
     # Rust takes every layer, the host ones too, as a mutable slice.
     _check_disjoint({**written, **gpu, **host, "out": out}, {**read, "topk": topk, "row_state": row_state})
@@ -149,6 +154,7 @@ def resolve_reference(
         topk_buf,
         top_k,
         row_state_buf,
+        resident_buf,
         group,
         gpu_bufs,
         host_bufs,
@@ -284,7 +290,7 @@ class _PlanSections:
         self.hot_blocks = header[5]
         counts = dict(zip(("cleared", "seq_lens", "table", "hot", "restores", "materialize", "scheduled",
                            "transitions"), header[6:], strict=True))
-        widths = dict(cleared=1, seq_lens=2, table=5, hot=2 + self.hot_blocks, restores=2, materialize=2,
+        widths = dict(cleared=1, seq_lens=3, table=5, hot=2 + self.hot_blocks, restores=2, materialize=2,
                       scheduled=3, transitions=2)
         self.spans: dict[str, tuple[int, int]] = {}
         at = self.HEADER
@@ -446,6 +452,8 @@ class DataPath:
             # What only apply and heat_summary use: the pages the core may release, and each row's request.
             "releasable": torch.zeros(s, p, dtype=torch.uint8, device=dev),
             "row_request": torch.full((s,), -1, dtype=torch.int64, device=dev),
+            # Rows whose request has every page resident (the plan's length entries): resolve's resident path.
+            "resident": torch.zeros(s, dtype=torch.uint8, device=dev),
         })
         self._geometry = (lay.max_pages, lay.block_size, lay.num_groups, lay.hot_rows, lay.row_bytes)
         self._cpu = dev.type == "cpu"
@@ -519,14 +527,15 @@ class DataPath:
         rows = section("cleared", 1)[:, 0]
         if rows.numel():
             for name, value in (("seq_lens", 0), ("block_table", 0), ("host_table", -1), ("releasable", 0),
-                                ("row_request", -1), ("heat", 0), ("status", 0), ("hot_blocks", 0), ("hot_pos", -1),
-                                ("hot_stamp", 0), ("hot_clock", 0)):
+                                ("row_request", -1), ("resident", 0), ("heat", 0), ("status", 0), ("hot_blocks", 0),
+                                ("hot_pos", -1), ("hot_stamp", 0), ("hot_clock", 0)):
                 st[name].index_fill_(0, rows, value)
-        lens = section("seq_lens", 2)
+        lens = section("seq_lens", 3)
         if lens.numel():
             a, b = s.long_spans["seq_lens"]
             st["seq_lens"].index_copy_(0, lens[:, 0], lens[:, 1].to(torch.int32))
             st["row_request"].index_copy_(0, lens[:, 0], longs[a:b])
+            st["resident"].index_copy_(0, lens[:, 0], lens[:, 2].to(torch.uint8))
         table = section("table", 5)
         if table.numel():
             flat = table[:, 0] * lay.max_pages + table[:, 1]
@@ -649,6 +658,7 @@ class DataPath:
             topk=topk,
             row_state=row_state,
             **{name: self.state[name] for name in RESOLVE_FIELDS},
+            resident=self.state["resident"],
             gpu_layers=[self.gpu[layer] for layer in layers],
             host_layers=[self.host[layer] for layer in layers],
             group=group,

@@ -54,6 +54,7 @@ def make_case(
     full_seq: bool = False,
     hits_without_host: int | None = None,
     gpu_blocks_at_least: int = 0,
+    flagged: float = 0.0,
 ) -> dict:
     """Random CPU state and inputs for resolve.
 
@@ -63,7 +64,8 @@ def make_case(
     ``hits_without_host = g`` takes the host copy from every page that group g caches and selects from cached
     positions and pages with a host copy only: the request succeeds only if no hit is mistaken for a miss.
     ``gpu_blocks_at_least`` makes the slab that many blocks at least (the tables still name only some of them).
-    Padding rows get any negative state row.
+    ``flagged``: the probability that a state row is flagged resident (SPEC.md's ``resident``; the case then has
+    that tensor, else none), every page of it given a block. Padding rows get any negative state row.
     """
     rng = random.Random(seed)
     HB = math.ceil(H / bs)
@@ -79,6 +81,7 @@ def make_case(
     hot_pos = torch.full((S, G, H), -1, dtype=torch.int32)
     hot_stamp = torch.zeros(S, G, H, dtype=torch.int64)
     hot_clock = torch.zeros(S, G, dtype=torch.int64)
+    resident_rows: list[int] = []
     for r in range(S):
         if rng.random() >= no_hot_region:
             hot_blocks[r] = torch.tensor([next(free) for _ in range(HB)], dtype=torch.int32)
@@ -87,6 +90,11 @@ def make_case(
                 block_table[r, page] = next(free)
             if rng.random() >= no_host:
                 host_table[r, page] = rng.randrange(host_blocks)
+        if flagged and rng.random() < flagged:
+            resident_rows.append(r)
+            for page in range(P):
+                if block_table[r, page] == 0:
+                    block_table[r, page] = next(free)
         for g in range(G):
             cached = rng.sample(range(seq_lens[r] + 8), min(int(hot_fill * H), seq_lens[r] + 8))
             for slot, pos in zip(rng.sample(range(H), len(cached)), cached, strict=True):
@@ -119,7 +127,12 @@ def make_case(
                 pool[j] = pool[rng.randrange(j)]
         topk[i] = torch.tensor(pool, dtype=torch.int32)
     gen = torch.Generator().manual_seed(seed)
+    flags = {}
+    if flagged:
+        flags["resident"] = torch.zeros(S, dtype=torch.uint8)
+        flags["resident"][resident_rows] = 1
     return {
+        **flags,
         "topk": topk,
         "row_state": row_state,
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
@@ -218,6 +231,8 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
             return bool(misses) and uses_hot_region(r, sel)
         if what in ("hot_block_twice", "hot_block_neighbours") and HB < 2:
             return False
+        if what == "resident_flag":
+            return bool(hits + misses)
         return uses_hot_region(r, sel) and H > 1
 
     candidates = sorted(r for r, sel in _selected(case, group).items() if qualifies(r, sel))
@@ -253,6 +268,15 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
         for slot in rng.sample([s for s in range(H) if s not in held], 2 - min(len(held), 1)):
             case["hot_pos"][r, group, slot] = pos
         return r, HS_BAD_HOT
+    if what == "resident_flag":  # flagged resident, yet selecting pages without a block (all of them, or one)
+        flags = case.setdefault("resident", torch.zeros(S, dtype=torch.uint8))
+        flags[r] = 1
+        if exact:  # one page: the null block, or the bound of the resident path's check
+            for page in range(P):
+                if case["block_table"][r, page] == 0:
+                    case["block_table"][r, page] = gpu_blocks - 1  # in the slab (read only: no write lands there)
+            case["block_table"][r, rng.choice(hits + misses) // bs] = rng.choice([0, gpu_blocks])
+        return r, HS_BAD_TABLE
     if what == "host_block":
         pos = rng.choice(misses)
         case["host_table"][r, pos // bs] = host_blocks if exact else host_blocks + rng.randint(1, 3)
@@ -261,7 +285,7 @@ def corrupt(case: dict, what: str, rng: random.Random, group: int) -> tuple[int,
 
 
 CORRUPTIONS = ("seq_len", "block", "hot_block", "hot_block_twice", "hot_block_neighbours",
-               "hot_pos_twice", "host_block")
+               "hot_pos_twice", "host_block", "resident_flag")
 HS_OVERFLOW, HS_NO_HOST_COPY, HS_BAD_TABLE, HS_BAD_HOT = 1, 2, 4, 8  # SPEC.md's status bits
 
 
@@ -372,7 +396,8 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
                                *STATE_KEYS, "out", "miss_plan", "miss_count")}
     launches = ops.resolve_launches(**state, group=group, block_size=case["block_size"], layers=table,
                                     num_layers=count, row_bytes=case["gpu_layers"][0].shape[1], gpu_rows=gpu_rows,
-                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem)
+                                    host_rows=host_rows, rows_per_request=rows_per_request, max_smem=max_smem,
+                                    resident=t.get("resident"))
     if first < L:
         table, count, gpu_rows, host_rows = dev.layers(slice(first, L))
         launches += ops.replay_launches(miss_plan=t["miss_plan"], miss_count=t["miss_count"], layers=table,
@@ -386,8 +411,8 @@ def run_resolve(h: Harness, case: dict, *, group: int, seed: int, preempt: float
     # The reference counted the bytes of every layer, the kernel those of the call's layers.
     ref["counters"][2] -= misses * case["gpu_layers"][0].shape[1] * (L - first)
     assert_same(t, ref, ("out", *STATE_KEYS, "gpu_layers", "host_layers"))
-    for k in ("topk", "row_state", "seq_lens", "block_table", "host_table", "hot_blocks"):
-        if not torch.equal(t[k].cpu(), case[k]):
+    for k in ("topk", "row_state", "seq_lens", "block_table", "host_table", "hot_blocks", "resident"):
+        if k in case and not torch.equal(t[k].cpu(), case[k]):
             raise AssertionError(f"resolve wrote its input {k}")
 
 
@@ -524,15 +549,44 @@ RESOLVE_KINDS: dict[str, dict] = {
     # ... and a U too large for the hash table that fits the hot region: windowed lookups of U as well
     "wide_u": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.0, "dup": 0.0, "full_seq": True,
                "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1, "table": launch.MIN_TABLE},
+    # requests flagged resident (SPEC.md) in one batch with requests that are not: the resident path, with
+    # several rows per request, and past the table (the windowed path keeps the flag's meaning)
+    "resident_flag": {"flagged": 0.5},
+    "resident_flag_speculative": {"flagged": 0.5, "rows_per_state": 2, "R": 8, "H": 1024, "dup": 0.5},
+    "resident_flag_wide": {"S": 2, "R": 8, "P": 1024, "H": 256, "K": 1024, "resident": 0.9, "dup": 0.0,
+                           "full_seq": True, "L": 1, "rb": 16, "table": launch.MIN_TABLE, "flagged": 0.5},
 }
 # Kinds resolved with a table sized for several rows per request (and, last, one clamped by a 99 KB GPU).
-ROWS_PER_REQUEST = {"speculative": 2, "speculative_overflow": 3}
+ROWS_PER_REQUEST = {"speculative": 2, "speculative_overflow": 3, "resident_flag_speculative": 2}
 SIZED = {
     "hashed_4_rows": ({"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.0, "dup": 0.0,
                        "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1}, 4, SMEM_SM90),
     "clamped_5_rows": ({"S": 1, "R": 5, "P": 1024, "H": 10240, "K": 2048, "resident": 0.2, "dup": 0.2,
                         "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1}, 5, SMEM_SM120),
 }
+
+
+def flag_resident(case: dict, r: int) -> None:
+    """Flags state row ``r`` resident, giving each of its pages without a block a block no table names."""
+    bs = case["block_size"]
+    used = set(case["block_table"].flatten().tolist()) | set(case["hot_blocks"].flatten().tolist())
+    free = (b for b in range(1, case["gpu_layers"][0].shape[0] // bs) if b not in used)
+    row = case["block_table"][r]
+    for page in (row == 0).nonzero().flatten().tolist():
+        row[page] = next(free)
+    case["resident"][r] = 1
+
+
+def mix_flags(case: dict, rng: random.Random) -> None:
+    """Makes a case's batch hold a request flagged resident and, when it has two requests, one that is not."""
+    states = sorted({r for r in case["row_state"].tolist() if r >= 0})
+    if not states:
+        return
+    flagged = rng.choice(states)
+    flag_resident(case, flagged)
+    others = [r for r in states if r != flagged]
+    if others:
+        case["resident"][rng.choice(others)] = 0
 
 
 def table_smem(entries: int, case: dict) -> int:
@@ -548,6 +602,8 @@ def _resolve_kind(params: dict, rows_per_request: int = 1, max_smem: int = SMEM_
     def run(h: Harness, seed: int, preempt: float) -> None:
         rng = random.Random(seed)
         case = make_case(seed, **params)
+        if "resident" in case:
+            mix_flags(case, rng)
         smem = max_smem if table is None else table_smem(table, case)
         group = 0 if params.get("from_hot") or "hits_without_host" in params else seed % case["hot_pos"].shape[1]
         for _ in range(corruptions):
@@ -828,6 +884,47 @@ def _window_edges(u_windowed: bool):
     return run
 
 
+def _resident_flag_barriers(h: Harness, seed: int, preempt: float) -> None:
+    """The resident path is taken: in a batch of one-row requests, some flagged resident and some not (their
+    selections reaching the hot region), each flagged request's CTA passes phase A's two barriers and no more, and
+    every other CTA more (the hit path's three at least). Outputs alone cannot tell the resident path from the
+    others, which give the same bytes. On a device, which counts nothing, only the bytes are compared."""
+    rng = random.Random(seed)
+    case = make_case(seed, S=6, R=6, flagged=0.5, H=256, K=200, hot_fill=0.6, resident=0.3)
+    case["row_state"] = torch.tensor(rng.sample(range(6), 6), dtype=torch.int32)
+    flags = case["resident"]
+    flags[int(case["row_state"][0])] = 1  # both kinds of request, on every seed
+    flags[int(case["row_state"][1])] = 0
+    for r in (int(case["row_state"][0]),):
+        case["block_table"][r][case["block_table"][r] == 0] = case["gpu_layers"][0].shape[0] // case["block_size"] - 1
+    run_resolve(h, case, group=seed % 2, seed=seed, preempt=preempt)
+    counts = dict(getattr(h, "counts", ()))
+    if "hisparse_resolve" not in counts:
+        return
+    for cta in counts["hisparse_resolve"]:
+        r = int(case["row_state"][cta.x])
+        want = "== 2" if flags[r] else ">= 3"
+        if (cta.barriers == 2) != bool(flags[r]) or cta.barriers < 2:
+            raise AssertionError(f"the CTA of state row {r} (flagged {int(flags[r])}) passed {cta.barriers} barriers, "
+                                 f"not {want}")
+
+
+def _resident_flag_one_bad(h: Harness, seed: int, preempt: float) -> None:
+    """Requests flagged resident whose selection holds one bad block (the null block, or one == gpu_blocks), on a
+    page no other element selects, at an element that is never lane 0's: its warp alone must raise BAD_TABLE."""
+    rng = random.Random(seed)
+    case = _small(seed, flagged=1.0)  # every request flagged, every page with a block
+    bs, P = case["block_size"], case["block_table"].shape[1]
+    gpu_blocks = case["gpu_layers"][0].shape[0] // bs
+    case["row_state"] = torch.tensor(rng.sample(range(4), 4), dtype=torch.int32)
+    case["topk"] = torch.tensor([[page * bs + rng.randrange(bs) for page in rng.sample(range(P), P)]
+                                 for _ in range(4)], dtype=torch.int32)
+    for i, r in enumerate(case["row_state"].tolist()):
+        page = int(case["topk"][i, rng.randrange(1, P)]) // bs
+        case["block_table"][r, page] = rng.choice([0, gpu_blocks])
+    run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(r, HS_BAD_TABLE) for r in range(4)])
+
+
 def _gather(h: Harness, seed: int, preempt: float) -> None:
     rng = random.Random(seed)
     case = make_case(seed, S=1, P=8, bs=4, H=8, L=1, rb=rng.choice([16, 48, 656]))
@@ -859,7 +956,9 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "invalidate_corrupt": _invalidate(True),
     "copy_rows": _copy(False),
     "copy_blocks": _copy(True),
+    "resident_flag_barriers": _resident_flag_barriers,
     "gather": _gather,
+    "resident_flag_one_bad": _resident_flag_one_bad,
 }
 # The suite's order: first one kind for each part of the kernels (a mutant usually fails in these), then the rest.
 FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "invalidate", "replay_layers",

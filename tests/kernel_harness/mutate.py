@@ -69,6 +69,18 @@ SEMANTIC = [
      "resolve takes position == seq_len"),
     ("resolve.cu", "b >= 0 && b < gpu_blocks ? b : -1", "b >= 0 && b <= gpu_blocks ? b : -1",
      "resolve takes block_table entry == gpu_blocks"),
+    # The resident flag (SPEC.md): ignored (the hot region serves a flagged request's null blocks), trusted where the
+    # table contradicts it (the null block read in place), its bound off by one, and its bad blocks flagged by one
+    # lane's element alone.
+    ("resolve.cu", "if (resident != nullptr && resident[r] != 0) {", "if (false) {",
+     "resolve ignores the resident flag"),
+    ("resolve.cu", "const bool in_slab = block > 0 && block < gpu_blocks;",
+     "const bool in_slab = block >= 0 && block < gpu_blocks;",
+     "resolve's resident path reads the null block in place"),
+    ("resolve.cu", "const bool in_slab = block > 0 && block < gpu_blocks;",
+     "const bool in_slab = block > 0 && block <= gpu_blocks;", "resolve's resident path takes block == gpu_blocks"),
+    ("resolve.cu", "if (__any_sync(HS_FULL_MASK, pos >= 0 && !in_slab) && (threadIdx.x & 31) == 0)",
+     "if (pos >= 0 && !in_slab && (threadIdx.x & 31) == 0)", "resolve's resident path flags lane 0's bad block only"),
     ("resolve.cu", "hb_row[b] <= 0 || hb_row[b] >= gpu_blocks;", "hb_row[b] <= 0 || hb_row[b] > gpu_blocks;",
      "resolve takes hot block == gpu_blocks"),
     ("resolve.cu", "bad |= (atomicOr(&seen[id >> 5], m) & m) != 0;", "atomicOr(&seen[id >> 5], m);",

@@ -25,6 +25,7 @@
 #define __device__ inline
 #define __host__
 #define __forceinline__
+#define __noinline__
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__ static __attribute__((section("hs_shared")))

@@ -275,16 +275,18 @@ def resolve_launches(
     host_rows: int,
     rows_per_request: int,
     max_smem: int,
+    resident: torch.Tensor | None = None,
 ) -> list[KernelLaunch]:
     """hisparse_resolve, which copies its misses into the call's layers itself (``layers`` is the address of
-    their table): one launch, none after it on a step without misses. Shapes are taken as checked."""
+    their table): one launch, none after it on a step without misses. Shapes are taken as checked; ``resident``
+    (uint8 [S], SPEC.md) may be None: no request flagged."""
     R, K = topk.shape
     S, G, H = hot_pos.shape
     P = block_table.shape[1]
     shared = sizes.resolve_shared(top_k=K, hot_rows=H, batch_rows=R, rows_per_request=rows_per_request,
                                   limit=max_smem)
-    tensors = (topk, row_state, seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_stamp, hot_clock, heat,
-               status, counters, out, miss_plan, miss_count, layers)
+    tensors = (topk, row_state, seq_lens, block_table, host_table, hot_blocks, resident, hot_pos, hot_stamp,
+               hot_clock, heat, status, counters, out, miss_plan, miss_count, layers)
     args = (*map(_ptr, tensors), *_ints(R, K, S, P, G, H, hot_blocks.shape[1], group, num_layers, block_size,
                                          row_bytes, gpu_rows // block_size, host_rows // block_size,
                                          shared.capacity))
@@ -361,6 +363,7 @@ def resolve(
     miss_plan: torch.Tensor | None = None,
     miss_count: torch.Tensor | None = None,
     rows_per_request: int = 1,
+    resident: torch.Tensor | None = None,
 ) -> None:
     """resolve(topk, row_state, group, layers) of SPEC.md into ``out`` (int32 [R, K]).
 
@@ -368,7 +371,8 @@ def resolve(
     host row) pairs are recorded in ``miss_plan`` (int64 [R * K, 2]) and ``miss_count`` (int32 [R]) for
     :func:`replay` when given (miss_count[i] pairs at the start of batch row i's K entries), else in scratch.
     ``rows_per_request`` (1 + speculative tokens) sizes the hash table of resolve: a request with more batch
-    rows, or more distinct positions than they hold, is resolved exactly but more slowly.
+    rows, or more distinct positions than they hold, is resolved exactly but more slowly. ``resident`` (uint8
+    [S], SPEC.md) flags the requests whose every page is resident, which then take a short path; None flags none.
     """
     device = _cuda_device("topk", topk)
     i32 = torch.int32
@@ -391,6 +395,8 @@ def resolve(
     _check("heat", heat, i32, (S, P), device)
     _check("status", status, i32, (S,), device)
     _check("counters", counters, torch.int64, (3,), device)
+    if resident is not None:
+        _check("resident", resident, torch.uint8, (S,), device)
     _check("out", out, i32, (R, K), device)
     if (miss_plan is None) != (miss_count is None):
         raise InvalidArgumentError("miss_plan and miss_count go together")
@@ -417,7 +423,7 @@ def resolve(
         counters=counters,
         out=out, miss_plan=miss_plan, miss_count=miss_count, group=group, block_size=block_size,
         layers=lay.table.data_ptr(), num_layers=lay.count, row_bytes=lay.row_bytes, gpu_rows=lay.gpu_rows,
-        host_rows=lay.host_rows, rows_per_request=rows_per_request, max_smem=dev.max_smem,
+        host_rows=lay.host_rows, rows_per_request=rows_per_request, max_smem=dev.max_smem, resident=resident,
     )
     _run(device.index, launches)
 

@@ -432,7 +432,7 @@ class _WorkerTables:
         raw = plan.to_bytes()
         words = np.frombuffer(raw, dtype=np.int32, count=len(raw) // 4)
         hot_width = int(words[5])
-        widths = (1, 2, 5, 2 + hot_width, 2, 2, 3, 2)
+        widths = (1, 3, 5, 2 + hot_width, 2, 2, 3, 2)
         at = 14
         spans = {}
         for name, n, w in zip(self.SECTIONS, words[6:14].tolist(), widths, strict=True):

@@ -49,12 +49,15 @@ pub struct HotUpdate {
 }
 
 /// A row's length after the step, and the request it serves (so that a worker always knows which request a
-/// row with a positive length belongs to: admission and resumption set both).
+/// row with a positive length belongs to: admission and resumption set both); also whether every page of the
+/// request is resident (none read through the hot region), which lets `resolve` take its resident path. The
+/// manager gives a row's entry whenever its length or that flag changes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowLength {
     pub row: u32,
     pub len: u32,
     pub request: u64,
+    pub resident: bool,
 }
 
 /// A request of the step: it writes positions `start .. start + tokens` through state row `row`.
@@ -102,7 +105,8 @@ pub struct StepPlan {
 }
 
 const MAGIC: u32 = u32::from_le_bytes(*b"HSPL");
-const VERSION: u32 = 1;
+/// 2: each length entry carries flags (bit 0: the row's request is resident).
+const VERSION: u32 = 2;
 
 impl StepPlan {
     pub fn is_short(&self) -> bool {
@@ -116,7 +120,7 @@ impl StepPlan {
         let hot_blocks = self.hot_updates.iter().map(|h| h.blocks.len()).max().unwrap_or(0);
         let words = 16
             + self.cleared_rows.len()
-            + 2 * self.seq_lens.len()
+            + 3 * self.seq_lens.len()
             + 5 * self.table_updates.len()
             + (2 + hot_blocks) * self.hot_updates.len()
             + 2 * (self.restores.len() + self.materialize.len())
@@ -146,6 +150,7 @@ impl StepPlan {
         for s in &self.seq_lens {
             w.u32(s.row);
             w.u32(s.len);
+            w.u32(s.resident as u32);
         }
         for u in &self.table_updates {
             for v in [u.row, u.page, u.gpu_block, u.host_block as u32, u.releasable as u32] {
@@ -189,7 +194,7 @@ impl StepPlan {
         let (missing_blocks, released_pages, lost_pages) = (r.u32()?, r.u32()?, r.u32()?);
         let hot_blocks = r.count(1)?;
         let n_cleared = r.count(1)?;
-        let n_seq = r.count(2)?;
+        let n_seq = r.count(3)?;
         let n_table = r.count(5)?;
         let n_hot = r.count(2 + hot_blocks)?;
         let n_restore = r.count(2)?;
@@ -198,7 +203,14 @@ impl StepPlan {
         let n_trans = r.count(2)?;
         let mut plan = StepPlan { missing_blocks, released_pages, lost_pages, ..StepPlan::default() };
         plan.cleared_rows = (0..n_cleared).map(|_| r.u32()).collect::<Result<_>>()?;
-        let lens = (0..n_seq).map(|_| Ok((r.u32()?, r.u32()?))).collect::<Result<Vec<_>>>()?;
+        let mut lens = Vec::with_capacity(n_seq);
+        for _ in 0..n_seq {
+            let (row, len, flags) = (r.u32()?, r.u32()?, r.u32()?);
+            if flags > 1 {
+                return invalid(format!("length flags {flags:#x} are not defined"));
+            }
+            lens.push((row, len, flags == 1));
+        }
         for _ in 0..n_table {
             let (row, page, gpu_block, host_block, flags) =
                 (r.u32()?, r.u32()?, r.u32()?, r.u32()? as i32, r.u32()?);
@@ -240,8 +252,8 @@ impl StepPlan {
         for (gpu_block, host_block) in copies {
             plan.materialize.push(PageCopy { transfer: r.u64()?, gpu_block, host_block });
         }
-        for (row, len) in lens {
-            plan.seq_lens.push(RowLength { row, len, request: r.u64()? });
+        for (row, len, resident) in lens {
+            plan.seq_lens.push(RowLength { row, len, request: r.u64()?, resident });
         }
         for (row, start, tokens) in sched {
             plan.scheduled.push(Scheduled { request: r.u64()?, row, start, tokens });
@@ -263,8 +275,8 @@ mod tests {
             missing_blocks: 0,
             cleared_rows: vec![3],
             seq_lens: vec![
-                RowLength { row: 0, len: 130, request: 9 },
-                RowLength { row: 1, len: 7, request: 1 << 63 },
+                RowLength { row: 0, len: 130, request: 9, resident: true },
+                RowLength { row: 1, len: 7, request: 1 << 63, resident: false },
             ],
             table_updates: vec![
                 TableUpdate { row: 0, page: 2, gpu_block: 9, host_block: -1, releasable: false },
@@ -303,5 +315,10 @@ mod tests {
         let mut huge = bytes.clone();
         huge[24..28].copy_from_slice(&u32::MAX.to_le_bytes()); // the cleared-rows count
         assert!(StepPlan::decode(&huge).is_err());
+        let mut bad_flags = bytes.clone();
+        let flags = 4 * (14 + 1 + 2); // the first length entry's flags: after the header and the cleared row
+        assert_eq!(bad_flags[flags..flags + 4], 1u32.to_le_bytes());
+        bad_flags[flags] = 3;
+        assert!(StepPlan::decode(&bad_flags).is_err());
     }
 }

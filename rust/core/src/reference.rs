@@ -35,6 +35,10 @@ pub struct ResolveState<'a> {
     pub block_table: &'a [i32],
     pub host_table: &'a [i32],
     pub hot_blocks: &'a [i32],
+    /// `[S]`, or empty (no request flagged): nonzero where the core says every page of the request is resident.
+    /// A flagged request reads everything in place and never uses its hot region; a selected page it has no
+    /// block for is corrupt state (`BAD_TABLE`), as one outside the slab is.
+    pub resident: &'a [u8],
     pub hot_pos: &'a mut [i32],
     /// `[S, G, H]`: the LRU as stamps, ascending `(stamp, slot)` least recently used first (`lru_stamps`).
     pub hot_stamp: &'a mut [i64],
@@ -101,6 +105,9 @@ impl ResolveState<'_> {
         check_len("block_table", self.block_table.len(), s * p)?;
         check_len("host_table", self.host_table.len(), s * p)?;
         check_len("hot_blocks", self.hot_blocks.len(), s * geo.hot_blocks())?;
+        if !self.resident.is_empty() {
+            check_len("resident", self.resident.len(), s)?;
+        }
         check_len("hot_pos", self.hot_pos.len(), s * g * h)?;
         check_len("hot_stamp", self.hot_stamp.len(), s * g * h)?;
         check_len("hot_clock", self.hot_clock.len(), s * g)?;
@@ -246,6 +253,8 @@ fn resolve_request(
         outcome.status |= STATUS_BAD_TABLE;
         seq_len = seq_len.clamp(0, max_len);
     }
+    // A flagged request's null block is as bad as one outside the slab: nothing of it reaches U.
+    let lowest_block = if st.resident.get(r).is_some_and(|&f| f != 0) { 1 } else { 0 };
     let mut seen: HashMap<i32, ()> = HashMap::new();
     let mut union: Vec<i32> = Vec::new();
     // The request index (row-major over the request's rows) of each position of U's first occurrence.
@@ -265,7 +274,7 @@ fn resolve_request(
                 outcome.heat_pages.push(page);
             }
             let block = st.block_table[r * p + page];
-            if block == 0 {
+            if block == 0 && lowest_block == 0 {
                 if first {
                     union.push(pos);
                     q_first.push((o * top_k + j) as u32);

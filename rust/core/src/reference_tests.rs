@@ -10,6 +10,7 @@ struct Fixture {
     block_table: Vec<i32>,
     host_table: Vec<i32>,
     hot_blocks: Vec<i32>,
+    resident: Vec<u8>,
     hot_pos: Vec<i32>,
     hot_stamp: Vec<i64>,
     hot_clock: Vec<i64>,
@@ -32,6 +33,7 @@ impl Fixture {
             block_table: vec![0, 3, 0, 5],
             host_table: vec![1, -1, 2, -1],
             hot_blocks: vec![6, 7],
+            resident: Vec::new(),
             hot_pos: vec![-1; 4],
             hot_stamp: vec![0; 4],
             hot_clock: vec![0],
@@ -49,6 +51,7 @@ impl Fixture {
             block_table: &self.block_table,
             host_table: &self.host_table,
             hot_blocks: &self.hot_blocks,
+            resident: &self.resident,
             hot_pos: &mut self.hot_pos,
             hot_stamp: &mut self.hot_stamp,
             hot_clock: &mut self.hot_clock,
@@ -141,6 +144,32 @@ fn a_bad_block_table_entry_is_skipped_and_flagged() {
     assert_eq!(f.status, vec![STATUS_BAD_TABLE]);
     assert_eq!(f.heat, vec![1, 2, 0, 1], "heat counts every distinct valid position");
     assert_eq!(f.hot_pos, vec![0, -1, -1, -1], "the rest of the request resolves");
+}
+
+#[test]
+fn a_request_flagged_resident_reads_in_place_and_never_touches_its_hot_region() {
+    let mut f = Fixture::new();
+    f.block_table = vec![4, 3, 2, 5];
+    f.resident = vec![1];
+    let out = f.resolve(&[2, 0, 4, 7, 0, -1], 6, &[0]).unwrap();
+    assert_eq!(out, vec![6, 8, 4, -1, 8, -1]);
+    assert_eq!((f.status.clone(), f.heat.clone()), (vec![0], vec![1, 1, 1, 0]));
+    assert_eq!(
+        (f.hot_pos.clone(), f.hot_clock.clone(), f.counters.clone()),
+        (vec![-1; 4], vec![0], vec![0; 3])
+    );
+    // A flag the table contradicts: the page without a block is corrupt state (-1, BAD_TABLE), heat still
+    // counts it, and no hot slot, stamp, clock or counter changes.
+    let mut f = Fixture::new();
+    f.resident = vec![1];
+    let out = f.resolve(&[2, 0, 4, 0], 4, &[0]).unwrap();
+    assert_eq!(out, vec![6, -1, -1, -1]);
+    assert_eq!((f.status.clone(), f.heat.clone()), (vec![STATUS_BAD_TABLE], vec![1, 1, 1, 0]));
+    assert_eq!((f.hot_pos.clone(), f.hot_stamp.clone()), (vec![-1; 4], vec![0; 4]));
+    assert_eq!((f.hot_clock.clone(), f.counters.clone()), (vec![0], vec![0; 3]));
+    // The flags must cover every state row.
+    f.resident = vec![1, 0];
+    assert!(f.resolve(&[2], 1, &[0]).is_err());
 }
 
 #[test]

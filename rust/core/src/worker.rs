@@ -10,13 +10,15 @@ use crate::reference::{copy_units, Direction, LayerSlabs};
 
 /// The worker's state tensors for `S` rows, `P` pages, `HB` hot blocks, `G` groups and `H` hot rows,
 /// as flat row-major slices. `row_request` holds each row's request id (its bits; meaningful while the
-/// row's `seq_lens` entry is positive: both are set together).
+/// row's `seq_lens` entry is positive: both are set together), `resident` its request's resident flag (set
+/// with them).
 pub struct WorkerState<'a> {
     pub seq_lens: &'a mut [i32],
     pub block_table: &'a mut [i32],
     pub host_table: &'a mut [i32],
     pub releasable: &'a mut [u8],
     pub row_request: &'a mut [i64],
+    pub resident: &'a mut [u8],
     pub hot_blocks: &'a mut [i32],
     pub hot_pos: &'a mut [i32],
     /// `[S, G, H]` and `[S, G]`: the LRU as stamps and each region's clock (`crate::lru_stamps`).
@@ -47,6 +49,7 @@ impl WorkerState<'_> {
             ("releasable", self.releasable.len(), s * p),
             ("heat", self.heat.len(), s * p),
             ("row_request", self.row_request.len(), s),
+            ("resident", self.resident.len(), s),
             ("status", self.status.len(), s),
             ("hot_blocks", self.hot_blocks.len(), s * hb),
             ("hot_pos", self.hot_pos.len(), s * gh),
@@ -218,6 +221,7 @@ pub fn apply_plan(
         let r = row as usize;
         st.seq_lens[r] = 0;
         st.row_request[r] = -1;
+        st.resident[r] = 0;
         st.status[r] = 0;
         st.block_table[r * p..(r + 1) * p].fill(0);
         st.host_table[r * p..(r + 1) * p].fill(-1);
@@ -228,6 +232,7 @@ pub fn apply_plan(
     for l in &plan.seq_lens {
         st.seq_lens[l.row as usize] = l.len as i32;
         st.row_request[l.row as usize] = l.request as i64;
+        st.resident[l.row as usize] = l.resident as u8;
     }
     for u in &plan.table_updates {
         let i = u.row as usize * p + u.page as usize;
@@ -293,6 +298,7 @@ mod tests {
         hot_clock: Vec<i64>,
         releasable: Vec<u8>,
         row_request: Vec<i64>,
+        resident: Vec<u8>,
         gpu: Vec<u8>,
         host: Vec<u8>,
     }
@@ -308,6 +314,7 @@ mod tests {
                 hot_clock: vec![5; S * GEO.groups],
                 releasable: vec![0; p],
                 row_request: vec![-1; S],
+                resident: vec![0; S],
                 // 6 GPU blocks and 5 host blocks of 2 rows of 16 bytes; each byte says where it is.
                 gpu: (0..6 * 32).map(|i| i as u8).collect(),
                 host: (0..5 * 32).map(|i| 200 - i as u8).collect(),
@@ -323,6 +330,7 @@ mod tests {
                 host_table,
                 releasable: &mut self.releasable,
                 row_request: &mut self.row_request,
+                resident: &mut self.resident,
                 hot_blocks,
                 hot_pos,
                 hot_stamp: &mut self.hot_stamp,
@@ -338,7 +346,7 @@ mod tests {
     fn plan() -> StepPlan {
         StepPlan {
             scheduled: vec![Scheduled { request: u64::MAX - 1, row: 1, start: 0, tokens: 5 }],
-            seq_lens: vec![RowLength { row: 1, len: 5, request: u64::MAX - 1 }],
+            seq_lens: vec![RowLength { row: 1, len: 5, request: u64::MAX - 1, resident: true }],
             table_updates: vec![
                 TableUpdate { row: 1, page: 0, gpu_block: 3, host_block: 2, releasable: true },
                 TableUpdate { row: 1, page: 2, gpu_block: 4, host_block: -1, releasable: false },
@@ -357,7 +365,7 @@ mod tests {
         t.apply(&plan()).unwrap();
         let [seq_lens, block_table, host_table, hot_blocks, hot_pos, _] = &t.i32s;
         assert_eq!(seq_lens, &[0, 5]);
-        assert_eq!(t.row_request[1] as u64, u64::MAX - 1);
+        assert_eq!((t.row_request[1] as u64, &t.resident), (u64::MAX - 1, &vec![0, 1]));
         assert_eq!(block_table[4..], [3, 0, 4, 0]);
         assert_eq!(host_table[4..], [2, -1, -1, -1]);
         assert_eq!(t.releasable[4..], [1, 0, 0, 0]);
@@ -371,7 +379,7 @@ mod tests {
                                                    // Clearing the row resets every table, the heat and the hot region.
         t.apply(&StepPlan { cleared_rows: vec![1], ..StepPlan::default() }).unwrap();
         let [seq_lens, block_table, host_table, hot_blocks, hot_pos, heat] = &t.i32s;
-        assert_eq!((seq_lens[1], t.row_request[1]), (0, -1));
+        assert_eq!((seq_lens[1], t.row_request[1], t.resident[1]), (0, -1, 0));
         assert_eq!(
             (&block_table[4..], &host_table[4..], &heat[4..]),
             (&[0; 4][..], &[-1; 4][..], &[0; 4][..])
@@ -406,15 +414,15 @@ mod tests {
     fn refuses_a_plan_outside_the_layout_and_changes_nothing() {
         let bad = [
             StepPlan { cleared_rows: vec![2], ..plan() },
-            StepPlan { seq_lens: vec![RowLength { row: 0, len: 9, request: 1 }], ..plan() },
+            StepPlan { seq_lens: vec![RowLength { row: 0, len: 9, request: 1, resident: false }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![1] }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![0, 1] }], ..plan() },
             StepPlan { hot_updates: vec![HotUpdate { row: 0, blocks: vec![2, 2] }], ..plan() },
             StepPlan { cleared_rows: vec![0, 0], ..plan() },
             StepPlan {
                 seq_lens: vec![
-                    RowLength { row: 1, len: 3, request: 1 },
-                    RowLength { row: 1, len: 5, request: 1 },
+                    RowLength { row: 1, len: 3, request: 1, resident: false },
+                    RowLength { row: 1, len: 5, request: 1, resident: false },
                 ],
                 ..plan()
             },

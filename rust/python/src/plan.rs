@@ -41,6 +41,12 @@ impl StepPlan {
     fn seq_lens(&self) -> Vec<(u32, u32, u64)> {
         self.inner.seq_lens.iter().map(|l| (l.row, l.len, l.request)).collect()
     }
+    /// (row, resident) of every length entry, in the same order: whether every page of the row's request is
+    /// resident (resolve's resident path; SPEC.md).
+    #[getter]
+    fn resident_rows(&self) -> Vec<(u32, bool)> {
+        self.inner.seq_lens.iter().map(|l| (l.row, l.resident)).collect()
+    }
     /// (row, page, gpu_block or 0, host_block or -1, releasable)
     #[getter]
     fn table_updates(&self) -> Vec<(u32, u32, u32, i32, bool)> {

@@ -35,7 +35,8 @@ unsafe fn layer_views<'a>(gpu: &[Buf], host: &[Buf]) -> Vec<LayerSlabs<'a>> {
     gpu.iter().zip(host).map(|(&g, &h)| LayerSlabs { gpu: view_mut(g), host: view_mut(h) }).collect()
 }
 
-/// `state`: seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_stamp, hot_clock, heat, status, counters.
+/// `state`: seq_lens, block_table, host_table, hot_blocks, hot_pos, hot_stamp, hot_clock, heat, status, counters;
+/// `resident`: `[S]` flags, or (0, 0) for none.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn _ref_resolve(
@@ -45,6 +46,7 @@ pub fn _ref_resolve(
     topk: Buf,
     top_k: usize,
     row_state: Buf,
+    resident: Buf,
     group: usize,
     gpu_layers: Vec<Buf>,
     host_layers: Vec<Buf>,
@@ -58,6 +60,7 @@ pub fn _ref_resolve(
             block_table: view(state[1]),
             host_table: view(state[2]),
             hot_blocks: view(state[3]),
+            resident: view(resident),
             hot_pos: view_mut(state[4]),
             hot_stamp: view_mut(state[5]),
             hot_clock: view_mut(state[6]),
@@ -118,7 +121,7 @@ pub fn _ref_invalidate(
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct ApplyBuffers {
     geo: WorkerGeometry,
-    state: [Buf; 11],
+    state: [Buf; 12],
     gpu: Vec<Buf>,
     host: Vec<Buf>,
 }
@@ -128,7 +131,7 @@ impl ApplyBuffers {
     #[new]
     fn new(
         geometry: (usize, usize, usize, usize, usize),
-        state: [Buf; 11],
+        state: [Buf; 12],
         gpu: Vec<Buf>,
         host: Vec<Buf>,
     ) -> Self {
@@ -160,12 +163,13 @@ pub fn _ref_apply<'py>(
                 host_table: view_mut(state[2]),
                 releasable: view_mut(state[3]),
                 row_request: view_mut(state[4]),
-                hot_blocks: view_mut(state[5]),
-                hot_pos: view_mut(state[6]),
-                hot_stamp: view_mut(state[7]),
-                hot_clock: view_mut(state[8]),
-                heat: view_mut(state[9]),
-                status: view_mut(state[10]),
+                resident: view_mut(state[5]),
+                hot_blocks: view_mut(state[6]),
+                hot_pos: view_mut(state[7]),
+                hot_stamp: view_mut(state[8]),
+                hot_clock: view_mut(state[9]),
+                heat: view_mut(state[10]),
+                status: view_mut(state[11]),
             };
             let mut layers = layer_views(gpu_layers, host_layers);
             worker::apply_plan(plan, geo, &mut st, &mut layers)?;

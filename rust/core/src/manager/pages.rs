@@ -12,11 +12,17 @@ impl ResidencyManager {
         let releasable = r.is_releasable(page, tail);
         let flag_changed = r.releasable.set(page, releasable);
         let table_changed = flag_changed || prev.table_entry() != next.table_entry();
+        let was_resident = r.host_only == 0;
         r.host_only = r.host_only + next.is_host_only() as u32 - prev.is_host_only() as u32;
+        let flag_flipped = was_resident != (r.host_only == 0);
         let was_released = matches!(prev, PageState::Released { .. }) as u32;
         r.released = r.released + matches!(next, PageState::Released { .. }) as u32 - was_released;
         if table_changed {
             self.pending.pages.push((id, page));
+        }
+        // The plan's length entry carries the resident flag: a row whose flag changes gives its entry again.
+        if flag_flipped {
+            self.pending.seq_lens.push(id);
         }
         Ok(())
     }

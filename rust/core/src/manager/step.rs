@@ -275,7 +275,14 @@ impl ResidencyManager {
         seq_lens.dedup();
         plan.seq_lens = seq_lens
             .iter()
-            .filter_map(|&id| running(&id).map(|(r, row)| RowLength { row, len: r.seq_len, request: id }))
+            .filter_map(|&id| {
+                running(&id).map(|(r, row)| RowLength {
+                    row,
+                    len: r.seq_len,
+                    request: id,
+                    resident: r.host_only == 0,
+                })
+            })
             .collect();
         let mut hot_rows = p.hot_rows;
         hot_rows.sort_unstable();

@@ -13,6 +13,8 @@ struct World {
     host: Vec<Option<u64>>,
     tables: HashMap<u32, Vec<(u32, i32)>>,
     hot: HashMap<u32, Vec<u32>>,
+    /// Each row's resident flag, from the plans' length entries (cleared rows: not resident).
+    resident: HashMap<u32, bool>,
     in_flight: Vec<TransferId>,
     hashes: HashMap<u64, Vec<u64>>,
     /// The restores and scheduled tokens of the last plan applied (what a worker dying may not have done).
@@ -33,6 +35,7 @@ impl World {
             host: vec![None; cfg.num_host_blocks as usize],
             tables: HashMap::new(),
             hot: HashMap::new(),
+            resident: HashMap::new(),
             in_flight: Vec::new(),
             hashes: HashMap::new(),
             last: (Vec::new(), Vec::new()),
@@ -58,6 +61,10 @@ impl World {
         for &row in &plan.cleared_rows {
             self.tables.insert(row, vec![(0, -1); pages]);
             self.hot.remove(&row);
+            self.resident.remove(&row);
+        }
+        for l in &plan.seq_lens {
+            self.resident.insert(l.row, l.resident);
         }
         for u in &plan.table_updates {
             self.tables.entry(u.row).or_insert_with(|| vec![(0, -1); pages])[u.page as usize] =
@@ -135,6 +142,13 @@ impl World {
             let mirrored = self.tables.get(&row).map_or(&[][..], |t| &t[..table.len()]);
             assert_eq!(mirrored, &table[..], "request {id}: plan-built table differs");
             assert_eq!(self.hot.get(&row).cloned().unwrap_or_default(), m.hot_blocks(id).unwrap());
+            // The flag resolve trusts: set exactly when every page of the request has a GPU block.
+            let resident = table.iter().all(|&(gpu, _)| gpu != 0);
+            assert_eq!(
+                self.resident.get(&row).copied().unwrap_or(false),
+                resident,
+                "request {id}: resident flag"
+            );
             for (page, &(gpu, host)) in table.iter().enumerate() {
                 let want = Some(tag(self, id, page as u32));
                 let got = if gpu != 0 { self.gpu[gpu as usize] } else { self.host[host as usize] };
@@ -268,6 +282,7 @@ fn run(cfg: Config, ops: Vec<Op>) {
                 let lost = std::mem::take(&mut w.in_flight);
                 w.tables.clear();
                 w.hot.clear();
+                w.resident.clear();
                 let plan = m.resync(redo).unwrap();
                 assert_eq!(plan.cleared_rows, (0..cfg.max_running).collect::<Vec<_>>());
                 for t in &lost {
