@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Mirror, Row, HOST_ONLY};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyDict, PyString, PyTuple, PyType};
 
 use crate::errors::{invalid, PyResultExt};
 
@@ -99,18 +99,15 @@ impl BlockRows {
     /// core's ``BlockRows::mirrors``), as instances of ``cls`` (vLLM's ``SparseKVRowMirror``, a dataclass of
     /// ``source_starts``, ``destination_start`` and ``num_rows``): a dict of request id to a tuple of them.
     /// They are made as unpickling makes them, ``object.__new__`` and the fields set in the instance's
-    /// ``__dict__``: the frozen dataclass's ``__init__`` alone costs more than the scan.
+    /// ``__dict__``: the frozen dataclass's ``__init__`` alone costs more than the scan. One new row per
+    /// request per decode step, so the scan is a lookup per request: the GIL is kept, and the request ids are
+    /// read in place and reused as the dict's keys (their hashes cached), not copied.
     fn mirrors<'py>(
         &self,
         py: Python<'py>,
-        windows: Vec<(String, u64, u64)>,
+        windows: Vec<(Bound<'py, PyString>, u64, u64)>,
         cls: &Bound<'py, PyType>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let spans: Vec<Vec<Mirror>> = py.detach(|| {
-            self.with(|r| {
-                windows.iter().map(|(request, start, count)| r.mirrors(request, *start, *count)).collect()
-            })
-        });
         let new = py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?;
         let make = |m: Mirror| -> PyResult<Bound<'py, PyAny>> {
             let mirror = new.call1((cls,))?;
@@ -121,11 +118,14 @@ impl BlockRows {
             Ok(mirror)
         };
         let out = PyDict::new(py);
-        for ((request, _, _), spans) in windows.iter().zip(spans) {
-            let made = spans.into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
-            out.set_item(request, PyTuple::new(py, made)?)?;
-        }
-        Ok(out)
+        self.with(|rows| {
+            for (request, start, count) in windows {
+                let spans = rows.mirrors(request.to_str()?, start, count);
+                let made = spans.into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
+                out.set_item(request, PyTuple::new(py, made)?)?;
+            }
+            Ok(out)
+        })
     }
 
     /// Whether every ``(request, tokens)`` reads nothing from the host in a step ending at ``tokens``.
