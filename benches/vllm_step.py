@@ -6,18 +6,17 @@ For N = 32 and 128 requests of 64K-token prompts, each mode (``hisparse``, ``nat
 bookkeeping only: no KV data) in the same KV memory, a pool that holds a third of the requests fully resident,
 until the batch stops growing, then times ``schedule()`` + ``update_from_output()`` over decode steps, in thread
 CPU time. vLLM alone runs only the requests that fit, so compare its step with the others' per running request
-too. Prints one JSON line: per N and mode, the median, mean and longest step in microseconds (the longest holds
-a heat summary's report and the first of its free-queue moves), the mean number of running requests while
-timed, the median step per running request, and for the HiSparse modes the median of the part of the step
-spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running request:
-``build_connector_meta``, ``update_connector_output`` and the coordinator's ``publish_when_ready``, where
+too. Prints one JSON line: per N and mode, the median, mean and longest step in microseconds, the mean number of
+running requests while timed, the median step per running request, and for the HiSparse modes the median of the
+part of the step spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running
+request: ``build_connector_meta``, ``update_connector_output`` and the coordinator's ``publish_when_ready``, where
 hisparse replaces vLLM's scans; the rest of the step is vLLM's scheduler and KV cache manager, the same code in
-both), with hisparse's over native's per running request (``hisparse_over_native``). Nothing is read
-here, so every heat summary (every 32 steps; 64 timed steps hold two) finds every page never selected and
-moves all the released pages it lists to the front of the free queue: the most a summary can move.
+both), with hisparse's over native's per running request (``hisparse_over_native``). Nothing is read here, so
+every heat summary (every 32 steps; 64 timed steps hold two) lists every request's pages as never selected: the
+longest list a summary can bring.
 
     .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
-                                          [--context 16384 262144]
+                                          [--context 16384 131072]
 """
 
 from __future__ import annotations
