@@ -13,7 +13,7 @@
 //!   released keep their place in the queue: moving them by later summaries (never-selected to the front,
 //!   the hottest to the back) changed no measurable read (`vllm_pressure.py --selection locality`: 1,261,271
 //!   rows from the host with the moves, 1,261,330 without; `vllm_agent.py` at c = 16: 849,511 with, 844,004
-//!   without) and cost more than the rest of the connector's step at N = 128.
+//!   without), and each step paid for the moves a summary left.
 //! - [`worth_transition`]: a request moves to reading through a hot region only when the pages it would
 //!   release free more blocks than the region costs.
 //! - [`PoolShape`]: the admission and transition decisions on vLLM's counts ([`PoolShape::transition`],
@@ -165,15 +165,15 @@ impl PoolShape {
     }
 
     /// Whether `ask` may start now: the pool keeps, after its peak need, the hot regions owed to requests
-    /// already asked to transition, one more hot region while a running request may still take one, and
-    /// room to grow: a page for every running request that keeps its pages, and an indexer block for every
-    /// one that reads through its hot region plus one page for them all (their pages go back to the pool
-    /// as they are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is counted as if nothing of its prefix were
-    /// on the GPU: every indexer page (one block each), two admission windows of resident pages (the next
-    /// chunk is allocated, with the hot region, before the window that filled up is released), and a hot
-    /// region unless it is short, when it will read through one: a prompt longer than one window, a prefix
-    /// hit (its pages may be on the host only, and vLLM gives any prefix hit a hot region), or a pool left
-    /// low enough to move it at once.
+    /// already asked to transition, one more hot region while a running request may still take one, and room
+    /// to grow: a page for every running request that keeps its pages, and an indexer block for every one
+    /// that reads through its hot region plus one page for them all (their pages go back to the pool as they
+    /// are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is
+    /// counted as if nothing of its prefix were on the GPU: every indexer page (one block each), two
+    /// admission windows of resident pages (the next chunk is allocated, with the hot region, before the
+    /// window that filled up is released), and a hot region unless it is short, when it will read through
+    /// one: a prompt longer than one window, a prefix hit (its pages may be on the host only, and vLLM gives
+    /// any prefix hit a hot region), or a pool left low enough to move it at once.
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
         let pages = self.pages(ask.tokens);
         let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));

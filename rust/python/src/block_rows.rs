@@ -36,9 +36,7 @@ pub struct BlockRows {
 
 impl BlockRows {
     fn with<R>(&self, f: impl FnOnce(&mut CoreBlockRows) -> R) -> R {
-        // Every core method either completes or changes nothing: a poisoned lock still guards a valid state.
-        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut guard)
+        f(&mut crate::locked(&self.inner))
     }
 }
 

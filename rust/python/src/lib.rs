@@ -12,9 +12,18 @@ mod plan;
 mod pool_policy;
 mod reference;
 
+use std::sync::{Mutex, MutexGuard};
+
 use pyo3::prelude::*;
 
 use crate::args::Int;
+
+/// The core object a frozen pyclass shares, locked. Every method of `PoolPolicy` and `BlockRows` either
+/// completes or changes nothing, so a lock poisoned by a panic inside one still guards a valid state: keep
+/// serving. (`ResidencyManager` refuses a poisoned lock instead.)
+fn locked<T>(inner: &Mutex<T>) -> MutexGuard<'_, T> {
+    inner.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The CUDA sources, embedded so that a wheel carries exactly what `cuda/` holds.
 const KERNEL_SOURCES: [(&str, &str); 3] = [

@@ -21,10 +21,7 @@ pub struct PoolPolicy {
 
 impl PoolPolicy {
     fn with<R>(&self, f: impl FnOnce(&mut CorePoolPolicy) -> R) -> R {
-        // A panic inside the core would poison the lock; the state it guards is still consistent
-        // (every method either completes or changes nothing), so keep serving.
-        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut guard)
+        f(&mut crate::locked(&self.inner))
     }
 }
 

@@ -29,7 +29,7 @@ the decisions that are policy (package docstring):
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
                       the release order of the requests it lists, from then on. Pages released already keep
                       their place in vLLM's free queue: reordering them by each summary measured no fewer
-                      host reads and cost more than the rest of the connector (``pool_policy.rs``).
+                      host reads (``pool_policy.rs``).
 
 ``fifo`` overrides nothing: it is :class:`~.bookkeeping.Bookkeeping`, this class's base, whose decisions are
 all vLLM's (the parity test checks it step by step) and whose per-step scans run over the core's record of
