@@ -65,6 +65,11 @@ impl Request {
         }
     }
 
+    /// Running and reading through a hot region: its releasable pages cost nothing extra to release.
+    fn holds_hot_region(&self) -> bool {
+        self.hot.is_some() && self.row().is_some()
+    }
+
     fn in_tail(&self, page: u32, tail_pages: u32) -> bool {
         page as usize + tail_pages as usize >= self.pages.len()
     }

@@ -71,10 +71,7 @@ impl ResidencyManager {
         if self.cfg.policy == PressurePolicy::Coldest {
             // Pages of requests that already hold a hot region cost nothing extra to release. Any order of
             // them will do: no two requests share an `order`, so the heap's keys never tie.
-            for (&id, r) in &self.requests {
-                if r.hot.is_none() || r.row().is_none() {
-                    continue;
-                }
+            for (&id, r) in self.requests.iter().filter(|(_, r)| r.holds_hot_region()) {
                 if let Some((heat, page)) = r.releasable.front() {
                     heap.push(Reverse((heat, page, r.order, cursors.len())));
                 }

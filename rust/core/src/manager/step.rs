@@ -109,7 +109,7 @@ impl ResidencyManager {
         let mut holders: Vec<(u64, u64)> = self
             .requests
             .iter()
-            .filter(|(_, r)| r.hot.is_some() && r.row().is_some())
+            .filter(|(_, r)| r.holds_hot_region())
             .map(|(&id, r)| (r.order, id))
             .collect();
         holders.sort_unstable();
