@@ -142,8 +142,9 @@ def resolve_reference(
     host_bufs = [_rows_view(t, name, row_bytes) for name, t in host.items()]
     topk_buf = _buf(topk, "topk", torch.int32)
     row_state_buf = _buf(row_state, "row_state", torch.int32, (rows,))
-    resident_buf = (0, 0) if resident is None else _buf(resident, "resident", torch.uint8, (s,))
+    resident_buf = (0, 0)  # no request flagged
     if resident is not None:
+        resident_buf = _buf(resident, "resident", torch.uint8, (s,))
         read["resident"] = resident
     out_buf = _buf(out, "out", torch.int32, (rows, top_k))
     # Rust takes every layer, the host ones too, as a mutable slice.
