@@ -250,6 +250,14 @@ class Bookkeeping(HiSparseCoordinator):
                 out.append((request_id, num_tokens))
         return out
 
+    def host_pages_hold_data(self, request_id: str, num_tokens: int) -> bool:
+        """Whether every host page of the request's first ``num_tokens`` holds its data already: each is a
+        published block of the host pool's prefix cache (hashed only once its copy completed), not one a load
+        is still writing."""
+        pages = -(-num_tokens // self.host_manager.block_size)
+        blocks = self.host_manager.req_to_blocks.get(request_id, ())
+        return len(blocks) >= pages and all(not b.is_null and b.block_hash is not None for b in blocks[:pages])
+
     def row_mirrors(self, requests) -> dict[str, tuple[SparseKVRowMirror, ...]]:
         """``build_row_mirrors`` of each ``(request, first token, tokens)`` on its own, in one core call: what
         vLLM's connector sends per request (one new row per decode step, so this is what changed)."""

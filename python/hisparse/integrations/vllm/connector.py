@@ -251,6 +251,7 @@ class HiSparseConnector(VllmHiSparseConnector):
             ends.append((rid, min(start + count, request.num_tokens)))
             first = max(0, start - request.num_output_placeholders) if placeholders else start
             windows.append((rid, first, count + start - first + lookahead))
+        self._finish_loaded_imports(coordinator, new_reqs, cached)
         coordinator.advance_scheduled(coordinator.with_residency_work(ends))
         command = coordinator.build_offload_command()
         host_block_copies = coordinator.take_host_block_copies()
@@ -260,15 +261,35 @@ class HiSparseConnector(VllmHiSparseConnector):
             if new_block_ids is not None:
                 source_block_ids.extend(new_block_ids[source_group])
         row_mirrors = coordinator.row_mirrors(windows)
-        imports = coordinator._pending_imports
-        started = []
-        if imports:  # usually none: then no request can have started with one pending
-            started = [r.req_id for r in new_reqs]
-            started += [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
-        self._sync_imports.append(tuple(rid for rid in started if rid in imports))
         return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
                                          coordinator.all_context_pages_resident(scheduled),
                                          coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
+
+    def _finish_loaded_imports(self, coordinator: Any, new_reqs: Any, cached: Any) -> None:
+        """Finishes, before this step's transfers are planned, the host import of each request that starts
+        in it with its load still pending (a synchronous load, which never reports ``finished_recving``) and
+        whose imported host pages hold their data already: restores of the pages it reads resident (vLLM's
+        import tail) then run before the forward that first reads them. Beside HiSparse, vLLM's
+        ``OffloadingConnector`` loads only the groups it offloads (the indexer keys), within the prefix
+        HiSparse's host pool holds (``_max_loadable_tokens``), so its imports are of pages published on the
+        host already; finished after the step, as vLLM would have it, the tail page is read before it is
+        restored. An import into host pages another connector is still writing is finished after the step
+        (``update_connector_output``)."""
+        imports = coordinator._pending_imports
+        if not imports:  # usually none: then no request can have started with one pending
+            self._sync_imports.append(())
+            return
+        started = [r.req_id for r in new_reqs]
+        started += [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
+        after_step = []
+        for rid in started:
+            if rid not in imports:
+                continue
+            if coordinator.host_pages_hold_data(rid, imports[rid]):
+                coordinator.finish_host_import(rid, failed=False)
+            else:
+                after_step.append(rid)
+        self._sync_imports.append(tuple(after_step))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM's, which finishes the host imports of the loads reported in ``finished_recving``, then the
@@ -278,8 +299,8 @@ class HiSparseConnector(VllmHiSparseConnector):
         prefix whose host pages HiSparse holds already (``_max_loadable_tokens`` bounds it there), but vLLM
         records every external load as an import into those pages, and left unfinished it keeps them invalid:
         the request never publishes its own pages past the loaded prefix, so the next turn of a conversation
-        misses them (``tests/test_vllm_agent.py``). Finished once the step has run, after any synchronous
-        load into the host pages, as vLLM's own import path would have it."""
+        misses them (``tests/test_vllm_agent.py``). Those ``_finish_loaded_imports`` found with their host pages
+        still being written are finished here, once the step has run, as vLLM's own import path would have it."""
         super().update_connector_output(connector_output)
         if self._sync_imports:
             for request_id in self._sync_imports.popleft():
