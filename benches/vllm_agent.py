@@ -303,7 +303,8 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
     if engine == "hisparse":
         out["counters"] = {k: v for k, v in sorted(coordinator.counters.items())
                            if k in ("admissions_deferred", "admissions_forced", "transitions",
-                                    "transitions_declined", "transitions_postponed")}
+                                    "transitions_declined", "transitions_postponed", "restored_whole",
+                                    "pages_restored")}
     out["vllm_lock_left_held"] = LOCK_LEFT_HELD.take()
     # The tier's /dev/shm region (written in full: RAM) goes now, not when the setup is collected.
     setup.scheduler.connector.shutdown()

@@ -195,17 +195,20 @@ def _with_vllms_scans(setup) -> None:
                                                               connector.coordinator))
 
 
-@pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib",
-                         [("coldest", False, 0, True, 0.8), ("fifo", True, 0, False, 0.8),
-                          ("coldest", False, 3, True, 1.3)],
+@pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib,chunk",
+                         [("coldest", False, 0, True, 0.8, 8192), ("fifo", True, 0, False, 0.8, 8192),
+                          ("coldest", False, 3, True, 1.3, 2048)],
                          ids=["coldest", "fifo-async-no-prefix-caching", "coldest-mtp"])
-def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_scheduling, mtp, prefix_caching, gpu_gib):
+def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_scheduling, mtp, prefix_caching, gpu_gib,
+                                                         chunk):
     """The same trace through our connector twice, once with vLLM's per-step scans: every scheduler decision,
     every field of the connector metadata (transfers, host copies, source blocks, row mirrors, residency flag
     and updates) and the scheduler state the metadata does not show (``_run_recording``) are equal at every
     step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
     without prefix caching, a resumed request starts again with no hot region), recycled blocks and copies
-    that complete late; one run has MTP's drafts and lookahead."""
+    that complete late; one run has MTP's drafts and lookahead, and prefill chunks short enough that its
+    requests fill their admission windows and take hot regions (MTP's are large enough that each request of
+    this trace would otherwise be too short ever to take one, its prefix hits restored whole)."""
     shared = H.prompt(1000, 2048)
     # Long enough decodes that requests reading through hot regions seal pages of generated tokens.
     jobs = [H.Job(f"r{i}", H.prompt(i, 4000 + 97 * i, shared if i % 2 else None), 16 + 60 * (i % 3 == 0),
@@ -214,7 +217,7 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
     for vllms in (False, True):
         setup = H.build(mode="hisparse", gpu_gib=gpu_gib, max_model_len=8192, host_pool_gib=40,
                         async_scheduling=async_scheduling, num_spec_tokens=mtp, prefix_caching=prefix_caching,
-                        extra={"policy": policy, "heat_interval": 4})
+                        max_num_batched_tokens=chunk, extra={"policy": policy, "heat_interval": 4})
         if vllms:
             _with_vllms_scans(setup)
         stats, trace = _run_recording(setup, jobs, mtp)

@@ -74,8 +74,8 @@ pub struct Admission {
     pub computed_tokens: usize,
     /// The most tokens a step schedules for it (vLLM's `max_num_batched_tokens`): its admission window.
     pub chunk_tokens: usize,
-    /// Too short ever to take a hot region ([`PoolShape::never_takes_hot_region`] of its longest length,
-    /// with no prefix hit).
+    /// Too short ever to take a hot region ([`PoolShape::never_takes_hot_region`] of its longest length):
+    /// it never reads from the host, so a prefix hit of it is restored whole to resident pages.
     pub short: bool,
 }
 
@@ -171,12 +171,14 @@ impl PoolShape {
     /// are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is
     /// counted as if nothing of its prefix were on the GPU: every indexer page (one block each), two
     /// admission windows of resident pages (the next chunk is allocated, with the hot region, before the
-    /// window that filled up is released), and a hot region unless it is short, when it will read through
-    /// one: a prompt longer than one window, a prefix hit (its pages may be on the host only, and vLLM gives
-    /// any prefix hit a hot region), or a pool left low enough to move it at once.
+    /// window that filled up is released), and a hot region when it will read through one: a prompt longer
+    /// than one window, a prefix hit (its pages may be on the host only, and vLLM gives any prefix hit a hot
+    /// region), or a pool left low enough to move it at once. A short request reads through none: every
+    /// page of it is resident, its prefix hit restored whole.
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
         let pages = self.pages(ask.tokens);
-        let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));
+        let hit_pages = if ask.short { 0 } else { ask.computed_tokens / self.block_size.max(1) };
+        let new_pages = pages.saturating_sub(hit_pages);
         let window = self.pages(ask.chunk_tokens);
         let mut need = pages + new_pages.min(2 * window) * self.blocks_per_page;
         let free = pool.free_blocks as i64;
@@ -406,6 +408,10 @@ mod tests {
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 329 + reserve - 1, ..two_host }));
         // A pool that cannot hold even the request's pages.
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 0, ..empty }));
+        // A short request's prefix hit is restored whole: its pages count, and no region.
+        let short_hit = Admission { computed_tokens: 1024, ..short };
+        assert!(s.has_headroom(&short_hit, &PoolState { free_blocks: 329, ..empty }));
+        assert!(!s.has_headroom(&short_hit, &PoolState { free_blocks: 328, ..empty }));
     }
 
     #[test]

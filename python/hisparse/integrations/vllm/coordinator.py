@@ -25,7 +25,9 @@ the decisions that are policy (package docstring):
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
                       transitions, so requests worth moving free room for the waiting one, and the rest of
                       the queue waits behind it (vLLM's first come, first served). A request too short ever
-                      to take a hot region is counted without one.
+                      to take a hot region is counted without one, its prefix hit as resident pages.
+``bind``              (new) a short request admitted on a prefix hit is restored whole to resident pages
+                      (``restore.WholeRestores``) where vLLM gives it a hot region.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
                       the release order of the requests it lists, from then on. Pages released already keep
                       their place in vLLM's free queue: reordering them by each summary measured no fewer
@@ -47,6 +49,7 @@ from ..._core import PoolPolicy
 from ...errors import ConfigError, InvalidArgumentError
 from .bookkeeping import Bookkeeping
 from .heat import HeatReport
+from .restore import WholeRestores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -75,6 +78,22 @@ class HisparseCoordinator(Bookkeeping):
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
+        # Short requests admitted on a prefix hit, restored whole rather than given a hot region (bind).
+        self.restores: WholeRestores | None = None
+
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind(kv_cache_manager)
+        if self.resident_managers and self.hot_managers and self._recorder is not None:
+            self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
+
+    def _is_short(self, request) -> bool:
+        longest = longest_tokens(request)
+        return longest is not None and self._never_takes_hot_region(longest)
+
+    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
+        super().complete_host_import(request_id, num_computed_tokens)
+        if self.restores is not None and request_id in self.restores.requests:
+            self.restores.restore(request_id, -(-num_computed_tokens // self.restores.block_size))
 
     # ------------------------------------------------------------------ when to take a hot region
 
@@ -115,7 +134,7 @@ class HisparseCoordinator(Bookkeeping):
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
-        short = longest is not None and not num_computed_tokens and self._never_takes_hot_region(longest)
+        short = longest is not None and self._never_takes_hot_region(longest)
         if not self._deferred and self._has_headroom(num_tokens, num_computed_tokens, admission_tokens,
                                                      num_running, short):
             return True
@@ -178,6 +197,8 @@ class HisparseCoordinator(Bookkeeping):
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.order.forget(request_id)
+        if self.restores is not None:
+            self.restores.forget(request_id)
 
 
 #: The coordinator class of each ``policy``.

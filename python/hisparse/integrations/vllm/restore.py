@@ -1,0 +1,128 @@
+"""Short requests admitted on a prefix hit are restored whole to resident pages, not given a hot region.
+
+vLLM 0.33 gives every request that starts from a prefix hit a hot region (``HiSparseHotManager
+.get_num_blocks_to_allocate``: a host import or a resumed host prefix). With GLM-5.3's layout and MTP 3 that is
+160 blocks in each of 21 hot groups, 3,360 blocks, more than twice a 4K-token request's whole context, so a
+workload of short multi-turn conversations runs a request or two at a time where vLLM with an offloading
+connector alone runs five (``benches/vllm_agent.py --workload short``). A request too short ever to take a hot
+region (``PoolShape::never_takes_hot_region``) is instead given a resident block for every page of its prefix,
+which the worker fills from the page's host block before the forward that first reads it: vLLM's own restore
+transfer (``SparseKVPageTransfer.restore``, which vLLM uses for an imported tail page). The request then runs
+as any resident request does.
+
+- A local hit (host pages the HiSparse host group holds) is restored in the step that admits it.
+- An external load (the offloading connector's, asynchronous unless ``sync_load_budget_bytes`` is set) is
+  restored once the load has completed (``complete_host_import``), before the request is scheduled again.
+- A synchronous external load writes the host pages during the step that first reads them, too late for a
+  restore planned at schedule time: such a request keeps vLLM's hot region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from .bookkeeping import Bookkeeping
+
+
+class WholeRestores:
+    """The requests restored whole (``requests``), and the wraps on vLLM's manager objects that give them
+    resident blocks instead of a hot region: ``KVCacheManager.allocate_slots`` decides at admission, the
+    resident managers count and fill every page, the hot managers count and allocate no region. Only these
+    instances' methods change, and only for the requests in ``requests``."""
+
+    def __init__(self, coordinator: Bookkeeping, kv_cache_manager: KVCacheManager,
+                 is_short: Callable[[Any], bool]) -> None:
+        self.coordinator = coordinator
+        self.is_short = is_short
+        self.requests: set[str] = set()
+        self.block_size = coordinator.resident_managers[0].block_size
+        for manager in coordinator.hot_managers:
+            self._wrap_hot(manager)
+        for manager in coordinator.resident_managers:
+            self._wrap_resident(manager)
+        allocate = kv_cache_manager.allocate_slots
+
+        def allocate_slots(request, num_new_tokens, *args, **kwargs):
+            local = kwargs.get("num_new_computed_tokens", 0)
+            external = kwargs.get("num_external_computed_tokens", 0)
+            request_id = request.request_id
+            if (not local and not external) or request_id in self.requests or not self._restorable(
+                    request, external, kwargs.get("delay_cache_blocks", False)):
+                return allocate(request, num_new_tokens, *args, **kwargs)
+            self.requests.add(request_id)
+            blocks = allocate(request, num_new_tokens, *args, **kwargs)
+            if blocks is None:
+                self.requests.discard(request_id)
+                return None
+            self.coordinator.counters["restored_whole"] += 1
+            self._fill(request_id)
+            self.restore(request_id, local // self.block_size)
+            return blocks
+
+        kv_cache_manager.allocate_slots = allocate_slots
+
+    def _restorable(self, request, external: int, load_async: bool) -> bool:
+        return (not external or load_async) and self.is_short(request)
+
+    def _wrap_hot(self, manager) -> None:
+        count, requests = manager.get_num_blocks_to_allocate, self.requests
+
+        def get_num_blocks_to_allocate(request_id: str, *args, **kwargs) -> int:
+            if request_id not in requests:
+                return count(request_id, *args, **kwargs)
+            return manager.get_num_required_blocks(request_id) if request_id in manager.hot_required else 0
+
+        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
+            self._wrap_admission(manager, name)
+
+    def _wrap_admission(self, manager, name: str) -> None:
+        """vLLM's admission methods of a hot manager ask for a region on any prefix hit: not for these."""
+        method, requests = getattr(manager, name), self.requests
+
+        def admitted(request_id: str, *args, **kwargs) -> None:
+            method(request_id, *args, **kwargs)
+            if request_id in requests:
+                manager.hot_required.discard(request_id)
+
+        setattr(manager, name, admitted)
+
+    def _wrap_resident(self, manager) -> None:
+        count, requests, block_size = manager.get_num_blocks_to_allocate, self.requests, manager.block_size
+
+        def get_num_blocks_to_allocate(request_id: str, num_tokens: int, *args, **kwargs) -> int:
+            if request_id not in requests:
+                return count(request_id, num_tokens, *args, **kwargs)
+            # Every page a block, the prefix's too. Filled at admission, the row never holds a null page:
+            # only a page released to the host is dropped, and a request without a region releases none.
+            return max(-(-num_tokens // block_size) - len(manager.req_to_blocks.get(request_id, ())), 0)
+
+        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+
+    def _fill(self, request_id: str) -> None:
+        """Gives each null page of the request's resident rows (its prefix, on the host only) a block of its
+        own, which ``get_num_blocks_to_allocate`` counted."""
+        recorder = self.coordinator._recorder
+        for group, manager in enumerate(self.coordinator.resident_managers):
+            row = manager.req_to_blocks[request_id]
+            nulls = [page for page, block in enumerate(row) if block.is_null]
+            if not nulls:
+                continue
+            for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
+                row[page] = block
+            if recorder is not None:
+                recorder.reread(request_id, manager, group)
+
+    def restore(self, request_id: str, num_pages: int) -> None:
+        """Plans the restore of the request's first ``num_pages`` pages from their host blocks (a page already
+        being copied is not planned twice)."""
+        plan, counters = self.coordinator._plan_page_transfer, self.coordinator.counters
+        for page in range(num_pages):
+            counters["pages_restored"] += plan(request_id, page, after_forward=False, restore=True)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.discard(request_id)
