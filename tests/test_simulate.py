@@ -274,16 +274,18 @@ def test_a_request_is_admitted_only_when_its_whole_sequence_fits_as_vllm_does():
 
 
 @pytest.mark.parametrize("policy", ["coldest", "fifo"])
-def test_growing_4k_conversations_run_more_and_faster_than_plain_residency(policy):
+def test_growing_4k_conversations_run_more_than_plain_residency(policy):
     """13 turns from a 4K-token prompt (up to ~16K tokens) at concurrency 64: hisparse tiers requests (a buffer
-    of 10,240 rows over such short histories misses little) and runs more requests, and more tokens per second,
-    than offload."""
+    of 10,240 rows over such short histories misses little) and runs more requests than offload. Its tokens per
+    second stay within a few per cent of offload's, not above: a tiered turn reads its host-only history over the
+    link inside the steps (its prefill reads all of it), where offload restores the same bytes beside them."""
     common = dict(concurrency=64, duration_s=90.0, first_turn_tokens=4096, arrival_spread_s=0.0)
     off = Simulation(SimConfig(mode="offload", **common)).run()
     his = Simulation(SimConfig(mode="hisparse", policy=policy, **common)).run()
     assert his["mean_mixed"] > 0
     assert his["mean_running"] > off["mean_running"], (his["mean_running"], off["mean_running"])
-    assert his["output_tok_s"] > off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
+    assert his["output_tok_s"] > 0.95 * off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
+    assert off["h2d_gb_by_kind"]["relief"] == 0 and his["h2d_gb_by_kind"]["prefill_miss"] > 0
 
 
 def test_cli_workload_model_and_gpu_flags(capsys):

@@ -22,7 +22,12 @@ Modes
 
 Memory model (GLM-5.3 FP8 on 8xH200, TP8; every rank holds the same replicated MLA KV, so one GPU is
 simulated)
-  * KV HBM per GPU from :func:`hisparse.tools.calc.calculate` (17.8 GiB), one pool of 64-token blocks.
+  * KV HBM per GPU from :func:`hisparse.tools.calc.calculate` (17.8 GiB), one pool of 64-token blocks. A
+    conversation of the published workload holds ~1,250 blocks (~80K tokens): the calculator's 5,536 blocks hold
+    4 whole, the 8,086 of the ~26 GiB vLLM's own profiling leaves hold 6, and vLLM admits a request only when its
+    whole sequence is free (below), so offload runs fewer than that. vLLM also keeps KV for the MTP layer (one
+    more sparse-MLA layer with its own indexer: 54,728 B per token, 1.5% more than modelled here); a pool of the
+    same block count is ``--kv-hbm-gib`` x 53,940 / 54,728.
   * A core block is one page of every layer *with its indexer keys*: 64 x (78 x 656 + 21 x 132) =
     3,452,160 B (``calc.block_bytes(...)["baseline"]``, vLLM's 53,940 B/token). A resident page therefore
     pays for its own indexer keys exactly.
@@ -55,10 +60,11 @@ verification tokens of the 32,768-token budget, a prefill the largest chunk that
 requests (preempted ones first, then arrivals, FCFS) while the budget lasts, the core admits them, and no
 request was preempted since the last turn ended. As vLLM 0.33 (``scheduler_reserve_full_isl``, its default), a
 waiting request is admitted only when the GPU blocks of its whole sequence are free beside what the step already
-takes; HiSparse caps that at one admission window of ``max_num_batched_tokens`` (``HiSparseResidentSpec``). A short plan preempts the newest running request (a
-request admitted in the same step and never run is simply put back, not counted as a preemption) until the
-plan fits. MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the
-probability that gives the measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool
+takes; HiSparse caps that at one admission window of ``max_num_batched_tokens`` (``HiSparseResidentSpec``).
+A short plan preempts the newest running request (a request admitted in the same step and never run is simply
+put back, not counted as a preemption) until the plan fits. MTP: each decode step emits 1 + accepted drafts
+tokens, drafts accepted in a chain with the probability that gives the measured mean accept length 3.48; the KV
+grows by the tokens emitted. A GPU pool
 that cannot hold one prefill chunk (offload: one whole request) is refused before the run; a point in which no
 request computes a new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
 
