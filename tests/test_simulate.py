@@ -246,17 +246,46 @@ def test_short_requests_never_run_fewer_than_plain_residency():
         off["mean_running"], off["output_tok_s"], off["steps"])
 
 
+@pytest.mark.parametrize(("mode", "policy"), [("offload", "fifo"), ("hisparse", "fifo"), ("hisparse", "coldest")])
+def test_every_restore_is_charged_once_and_admissions_do_not_stall_the_step(mode, policy):
+    """The host-link bytes of restores are the core's restores, each charged once: those an admission queues as
+    a restore beside the steps (the request runs when they have landed), the rest (relief back to full residency,
+    only for tiered requests) inside the step that plans them."""
+    r = run(tiny(mode=mode, policy=policy))
+    m = r.pop("_manager")
+    by = r["h2d_gb_by_kind"]
+    page = derive(tiny(mode=mode)).host_page_bytes
+    assert by["restore"] > 0
+    assert math.isclose((by["restore"] + by["relief"]) * 1e9, m.stats()["total_restored"] * page, rel_tol=1e-9)
+    if mode == "offload":
+        assert by["relief"] == 0
+
+
+def test_a_request_is_admitted_only_when_its_whole_sequence_fits_as_vllm_does():
+    """vLLM 0.33 admits a waiting request only when the blocks of its whole sequence are free
+    (``scheduler_reserve_full_isl``): 8K-token requests at concurrency 64 are never admitted into a pool that
+    cannot hold them, so none is put back and none preempted, in either mode (none is tiered)."""
+    common = dict(concurrency=64, duration_s=20.0, first_turn_tokens=8192, turns=1, arrival_spread_s=0.0)
+    for mode in ("offload", "hisparse"):
+        r = Simulation(SimConfig(mode=mode, **common)).run()
+        fit = derive(SimConfig(mode=mode, **common)).num_gpu_blocks // (8192 // 64)
+        assert r["unadmissions"] == 0 and r["preemptions"] == 0
+        assert 0 < r["max_running"] <= fit
+
+
 @pytest.mark.parametrize("policy", ["coldest", "fifo"])
-def test_growing_4k_conversations_run_more_and_faster_than_plain_residency(policy):
+def test_growing_4k_conversations_run_more_than_plain_residency(policy):
     """13 turns from a 4K-token prompt (up to ~16K tokens) at concurrency 64: hisparse tiers requests (a buffer
-    of 10,240 rows over such short histories misses little) and runs more requests, and more tokens per second,
-    than offload."""
+    of 10,240 rows over such short histories misses little) and runs more requests than offload. Its tokens per
+    second stay within a few per cent of offload's, not above: a tiered turn reads its host-only history over the
+    link inside the steps (its prefill reads all of it), where offload restores the same bytes beside them."""
     common = dict(concurrency=64, duration_s=90.0, first_turn_tokens=4096, arrival_spread_s=0.0)
     off = Simulation(SimConfig(mode="offload", **common)).run()
     his = Simulation(SimConfig(mode="hisparse", policy=policy, **common)).run()
     assert his["mean_mixed"] > 0
     assert his["mean_running"] > off["mean_running"], (his["mean_running"], off["mean_running"])
-    assert his["output_tok_s"] > off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
+    assert his["output_tok_s"] > 0.95 * off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
+    assert off["h2d_gb_by_kind"]["relief"] == 0 and his["h2d_gb_by_kind"]["prefill_miss"] > 0
 
 
 def test_cli_workload_model_and_gpu_flags(capsys):

@@ -32,6 +32,10 @@ class Admission:
         """Tokens whose KV the request already has (host prefix hits, or its kept pages); compute the rest."""
     @property
     def residency(self) -> Residency: ...
+    @property
+    def restored_pages(self) -> int:
+        """Pages this admission queued restores (host -> GPU) for, carried by the next plan; the request runs once
+        they have landed. Adopted GPU copies are not counted."""
 
 class StepPlan:
     """One step's work for the worker, applied in this order before the forward: cleared rows; the rows'

@@ -22,7 +22,12 @@ Modes
 
 Memory model (GLM-5.3 FP8 on 8xH200, TP8; every rank holds the same replicated MLA KV, so one GPU is
 simulated)
-  * KV HBM per GPU from :func:`hisparse.tools.calc.calculate` (17.8 GiB), one pool of 64-token blocks.
+  * KV HBM per GPU from :func:`hisparse.tools.calc.calculate` (17.8 GiB), one pool of 64-token blocks. A
+    conversation of the published workload holds ~1,250 blocks (~80K tokens): the calculator's 5,536 blocks hold
+    4 whole, the 8,086 of the ~26 GiB vLLM's own profiling leaves hold 6, and vLLM admits a request only when its
+    whole sequence is free (below), so offload runs fewer than that. vLLM also keeps KV for the MTP layer (one
+    more sparse-MLA layer with its own indexer: 54,728 B per token, 1.5% more than modelled here); a pool of the
+    same block count is ``--kv-hbm-gib`` x 53,940 / 54,728.
   * A core block is one page of every layer *with its indexer keys*: 64 x (78 x 656 + 21 x 132) =
     3,452,160 B (``calc.block_bytes(...)["baseline"]``, vLLM's 53,940 B/token). A resident page therefore
     pays for its own indexer keys exactly.
@@ -53,10 +58,13 @@ that reached the host (or is still on the GPU).
 Scheduler (vLLM V1 order): running requests first, in admission order -- a decode schedules 1 + q
 verification tokens of the 32,768-token budget, a prefill the largest chunk that fits; then waiting
 requests (preempted ones first, then arrivals, FCFS) while the budget lasts, the core admits them, and no
-request was preempted since the last turn ended. A short plan preempts the newest running request (a
-request admitted in the same step and never run is simply put back, not counted as a preemption) until the
-plan fits. MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the
-probability that gives the measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool
+request was preempted since the last turn ended. As vLLM 0.33 (``scheduler_reserve_full_isl``, its default), a
+waiting request is admitted only when the GPU blocks of its whole sequence are free beside what the step already
+takes; HiSparse caps that at one admission window of ``max_num_batched_tokens`` (``HiSparseResidentSpec``).
+A short plan preempts the newest running request (a request admitted in the same step and never run is simply
+put back, not counted as a preemption) until the plan fits. MTP: each decode step emits 1 + accepted drafts
+tokens, drafts accepted in a chain with the probability that gives the measured mean accept length 3.48; the KV
+grows by the tokens emitted. A GPU pool
 that cannot hold one prefill chunk (offload: one whole request) is refused before the run; a point in which no
 request computes a new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
 
@@ -74,8 +82,10 @@ Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
     holds most of a short history misses little; :func:`hisparse.tools.locality.context_miss_rate`). A prefill
     chunk of T tokens over host-only history reads ``top_k x (1 + (T - 1) x (1 - overlap)) x f`` rows capped
     at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
-  * Restores at admission/resumption (tail pages, or every page for the offload baseline) and the indexer
-    keys of host-only history run on the host link asynchronously: the request runs when they have landed.
+  * Restores at admission/resumption (tail pages, or every page for the offload baseline: the count the core's
+    ``Admission.restored_pages`` gives) and the indexer keys of host-only history run on the host link
+    asynchronously: the request runs, and counts as running, when they have landed (vLLM: a request whose KV the
+    connector loads waits in WAITING_FOR_REMOTE_KVS, holding its blocks).
     Restores planned inside a step (relief back to full residency) delay that step.
   * Proactive copies to the host go over a 55 GB/s link in order and are reported to the core
     (``complete``) at the first step boundary after they end.
@@ -375,6 +385,10 @@ def adaptive_hot_rows(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, cha
 # --------------------------------------------------------------------------- simulation
 
 
+class _NotWholeSequence(CapacityError):
+    """vLLM's scheduler holds the next request back: the blocks of its whole sequence are not free."""
+
+
 class _Req:
     """A request as the scheduler sees it. Its page hashes are made when it is admitted, not here: every waiting
     request would otherwise hold a list of ~1,200 of them (44 KB), 17 GB at a million conversations."""
@@ -558,6 +572,11 @@ class Simulation:
         cfg, d = self.cfg, self.d
         where = (f"no request computed a new token in {NO_PROGRESS_PASSES} scheduler passes up to t={now:.2f} s "
                  f"({running} running, {waiting} waiting)")
+        if isinstance(refused, _NotWholeSequence) and not short:
+            whole = _blocks(cfg, cfg.max_prompt() + cfg.output_tokens)
+            return (f"{where}: {refused}; with nothing running nothing will free them: use "
+                    f"{_pool_advice(cfg, whole, d.gpu_block_bytes)} (the longest request whole, {whole - 1:,} blocks "
+                    f"besides the null block)")
         if refused is not None and not short:
             return f"{where}: the core admits nothing: {refused}"
         if not short:
@@ -649,6 +668,18 @@ class Simulation:
         for rid, rows in zip(holders, share_rows(len(holders) * d.hot_rows, demand, lo, hi), strict=True):
             self.hot_alloc[rid] = rows
 
+    def _isl_blocks(self, r: _Req) -> int:
+        """GPU blocks vLLM 0.33's scheduler wants free before it admits ``r``: its whole sequence so far
+        (``SchedulerConfig.scheduler_reserve_full_isl``, default True: ``KVCacheManager.allocate_slots`` with
+        ``full_sequence_must_fit``; prefix-cache hits still in the free queue count as blocks to take), which vLLM's
+        HiSparse caps at one admission window of ``max_num_batched_tokens`` (``HiSparseResidentSpec.
+        max_admission_blocks_per_request``)."""
+        cfg = self.cfg
+        tokens = r.prompt + r.generated
+        if cfg.mode == "hisparse":
+            tokens = min(tokens, cfg.max_batched_tokens)
+        return -(-tokens // cfg.block_tokens)
+
     def _host_share(self, rid: int, info: dict[str, Any]) -> tuple[float, float]:
         """Share of a request's selected rows on its host-only pages, from the model's page heat, and the miss
         rate of its hot buffer over the rows a decode step then selects there (cached until its pages, its
@@ -725,6 +756,10 @@ class Simulation:
         stats = m.stats()
         restored_before = stats["total_restored"]
         tiers = cfg.mode == "hisparse"
+        # Admissions since the last plan: request -> (restored pages, restore bytes, indexer bytes, link start, link
+        # end). The core queues an admission's restores for the next plan; one preempted before that plan drops
+        # them (and is refunded), the rest are the admissions' part of the plan's restores, not relief.
+        admitted: dict[int, tuple[int, float, float, float, float]] = {}
 
         while True:
             if arrivals_open and (now >= cfg.duration_s or (cfg.max_steps is not None and steps >= cfg.max_steps)):
@@ -768,11 +803,20 @@ class Simulation:
                 elif budget >= q + 1:
                     sched.append((r, min(self._accepted(), r.out - r.generated)))
                     budget -= q + 1
-            # Then waiting requests, while the budget lasts and the core admits them.
+            # Then waiting requests, while the budget lasts and the core admits them. vLLM allocates each
+            # scheduled request's new blocks as it goes: what the step takes is not free for the next admission.
             refused_now = False
+            claimed = sum(-(-(r.computed + n) // bt) - -(-r.computed // bt) for r, n in sched)
             while waiting and budget > 0 and not gated and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
-                before = m.stats()["total_restored"]
+                isl_need, isl_free = self._isl_blocks(r), m.stats()["gpu_free"] - claimed
+                if isl_need > isl_free:
+                    refused_now = True
+                    if not running:
+                        refused = _NotWholeSequence(
+                            f"vLLM admits a request only when the GPU blocks of its whole sequence are free "
+                            f"(scheduler_reserve_full_isl): the next one needs {isl_need:,} and {isl_free:,} are free")
+                    break
                 try:
                     if r.preempted:
                         a = m.resume(r.rid)
@@ -791,27 +835,25 @@ class Simulation:
                 r.in_prefill = True
                 r.ran = False
                 # Restores (tail, or everything for the baseline) and the indexer keys of host-only history
-                # travel on the host link before the request can run.
-                restored = m.stats()["total_restored"] - before
-                restored_before += restored
-                nbytes = restored * d.host_page_bytes
-                h2d["restore"] += nbytes
-                if tiers:
-                    host_only = m.request_info(r.rid)["host_only_pages"]
-                    ibytes = host_only * d.indexer_page_bytes
-                    h2d["indexer"] += ibytes
-                    nbytes += ibytes
+                # travel on the host link before the request can run (vLLM: WAITING_FOR_REMOTE_KVS, not running).
+                rbytes = a.restored_pages * d.host_page_bytes
+                ibytes = m.request_info(r.rid)["host_only_pages"] * d.indexer_page_bytes if tiers else 0
+                h2d["restore"] += rbytes
+                h2d["indexer"] += ibytes
+                nbytes = rbytes + ibytes
+                link_start = h2d_free
                 if nbytes > 0:
-                    start = max(now, h2d_free)
-                    h2d_free = start + nbytes / cfg.h2d_bytes_per_s
+                    h2d_free = max(now, h2d_free) + nbytes / cfg.h2d_bytes_per_s
                     r.ready_t = h2d_free
                 else:
                     r.ready_t = now
+                admitted[r.rid] = (a.restored_pages, rbytes, ibytes, link_start, h2d_free)
                 if r.ready_t <= now:
                     chunk = min(r.target - r.computed, budget)
                     if chunk > 0:
                         sched.append((r, chunk))
                         budget -= chunk
+                        claimed += -(-(r.computed + chunk) // bt) - -(-r.computed // bt)
             if not sched:
                 # Nothing can run now: jump to the next event.
                 pending = [r.ready_t for r in running if r.ready_t > now]
@@ -838,6 +880,14 @@ class Simulation:
                 victim.in_prefill = True
                 victim.preempted = True
                 waiting.appendleft(victim)
+                undone = admitted.pop(victim.rid, None)
+                if undone is not None:
+                    # Admitted since the last plan: its restores never happen, nor its loads.
+                    _, rbytes, ibytes, link_start, link_end = undone
+                    h2d["restore"] -= rbytes
+                    h2d["indexer"] -= ibytes
+                    if h2d_free == link_end:
+                        h2d_free = link_start
                 if victim.ran:
                     preemptions += 1
                 else:
@@ -866,8 +916,9 @@ class Simulation:
                 d2h_free = max(start, d2h_free) + nbytes / cfg.d2h_bytes_per_s
                 copies.append((d2h_free, ids))
             # Restores planned inside the step (relief to full residency) land before the forward.
-            relief = stats["total_restored"] - restored_before
+            relief = stats["total_restored"] - restored_before - sum(x[0] for x in admitted.values())
             restored_before = stats["total_restored"]
+            admitted.clear()
             wait_bytes = relief * d.host_page_bytes
             h2d["relief"] += wait_bytes
             # Top-K misses of requests that read host-only history.

@@ -24,21 +24,27 @@ pub struct Admission {
     row: u32,
     cached_tokens: u32,
     residency: &'static str,
+    restored_pages: u32,
 }
 
 #[pymethods]
 impl Admission {
     fn __repr__(&self) -> String {
         format!(
-            "Admission(row={}, cached_tokens={}, residency={:?})",
-            self.row, self.cached_tokens, self.residency
+            "Admission(row={}, cached_tokens={}, residency={:?}, restored_pages={})",
+            self.row, self.cached_tokens, self.residency, self.restored_pages
         )
     }
 }
 
 impl From<hisparse_core::Admission> for Admission {
     fn from(a: hisparse_core::Admission) -> Self {
-        Admission { row: a.row, cached_tokens: a.cached_tokens, residency: a.residency.name() }
+        Admission {
+            row: a.row,
+            cached_tokens: a.cached_tokens,
+            residency: a.residency.name(),
+            restored_pages: a.restored_pages,
+        }
     }
 }
 

@@ -173,18 +173,25 @@ impl ResidencyManager {
             let state = self.req(id)?.pages[page as usize].state.restore(block)?;
             self.set_page(id, page, state)?;
         }
+        let mut restored_pages = 0;
         for page in restore_from..n {
             let state = self.req(id)?.pages[page].state;
             if let PageState::HostOnly { .. } = state {
                 let block = self.take_block()?;
                 self.set_page(id, page as u32, state.restore(block)?)?;
                 self.pending.restores.push((id, page as u32, block));
+                restored_pages += 1;
             }
         }
         if self.req(id)?.host_only > 0 {
             self.lease_hot(id)?;
         }
         let r = self.req(id)?;
-        Ok(Admission { row, cached_tokens: r.seq_len, residency: r.residency(self.cfg.tail_pages) })
+        Ok(Admission {
+            row,
+            cached_tokens: r.seq_len,
+            residency: r.residency(self.cfg.tail_pages),
+            restored_pages,
+        })
     }
 }

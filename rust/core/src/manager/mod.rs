@@ -114,6 +114,9 @@ pub struct Admission {
     /// Tokens whose KV the request already has (host prefix hits or its own kept pages); compute the rest.
     pub cached_tokens: u32,
     pub residency: Residency,
+    /// Pages this admission queued host -> GPU restores for (the next plan's restores carry them); adopted
+    /// GPU copies are not counted. The request can run once they have landed.
+    pub restored_pages: u32,
 }
 
 /// A per-request snapshot for metrics and tests.

@@ -400,6 +400,7 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     let a = m.admit(2, 21, &hashes, None).unwrap();
     assert_eq!(a.cached_tokens, 20);
     assert_eq!(a.residency, Residency::Full);
+    assert_eq!(a.restored_pages, 0);
     let plan = m.plan_step(&[(2, 1)]).unwrap();
     assert!(plan.restores.is_empty());
     m.finish(2).unwrap();
@@ -407,7 +408,9 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     assert_eq!(a.cached_tokens, 20);
     assert_eq!(a.residency, Residency::None);
     assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
-    // The pool is empty otherwise: the tail (restored at admission) and, as relief, the rest come back.
+    // The admission queued the restores of its two tail pages; the next plan carries them.
+    assert_eq!(a.restored_pages, 2);
+    // The pool is empty otherwise: the tail (restored at admission) and, as relief, the other three come back.
     let plan = m.plan_step(&[(4, 1)]).unwrap();
     assert_eq!(plan.restores.len(), 5);
     let t = |from, to| Transition { request: 4, from, to };
