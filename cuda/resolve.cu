@@ -340,21 +340,25 @@ __device__ __noinline__ void resolve_resident_hashed(const u64* tab, u32 cap, co
 // write -1. Dynamic shared memory, its size set by the selection (top_k x the rows of a request) and growing
 // with H only by one bit per hot slot:
 //   u64 tab[cap]              hash table of positions: first occurrences (phase A), whose entries of U then
-//                             map U -> index in U; past HB_PAIRWISE hot blocks (or after windowed phase A), a
+//                             map U -> index in U; past HB_PAIRWISE hot blocks (or on the bucketed path), a
 //                             bitmap of the hot blocks (checks 1-3), then a rebuilt map of U
 //   int rows[R]               the request's batch rows
 //   u32 bits[ceil(H / 32)]    slots that hold a hit (phase B)
-// A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
-// windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, first request
+// A request with more distinct positions than 3/4 of cap (the table fills) takes the bucketed path: the same
+// phases, one table per bucket of positions (bucket_end: ranges cut from a histogram of the selection, which the
+// filling pass takes in s_hist; on this path phase C's radix digits go to tab), three barriers a bucket in phase A
+// (and, for a U past 3/4 of cap that misses, in phase E). The state of U (positions, slots, first request
 // indices, E) lives in the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and the
-// request's entries of `out` serve as scratch before phase E writes them: in windowed phase A they mark U's
-// members, in phase C they list the slots it ranks.
+// request's entries of `out` serve as scratch before phase E writes them: on the bucketed path they hold the first
+// request index of each member of U, in phase C they list the slots it ranks.
 //
 // A step without misses on the short path (below) writes its row ids, its heat and the stamps of U's slots, and
 // nothing else: no scan of U, no entries, no LRU pass, no plan, no copies. Its barriers (one request row): phase
 // A's first (which also counts the request's rows), its table's, its marks', and the checks' (which phase B
 // shares): four; a request that selects nothing outside the resident pages skips the last. A request the core
 // flags resident (`resident[r]`, below) takes the resident path: phase A's first two barriers and nothing else.
+// The bucketed path's short path adds three barriers a bucket after phase A's table fills (MTP 4 at 1M tokens on a
+// 99 KB part: two buckets, 17 barriers a request against the hash path's 12; benches/resolve_budget.py).
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
@@ -671,7 +675,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
   // 64 * cap ids: one window unless the slab has more blocks). Nothing reads U's entries or the table's U marks
   // before the barrier below; a request that stops here reads none. The short path's phase B runs before that
-  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT.
+  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT. (The
+  // bucketed path's ran in phase A, whatever the checks find: what it wrote counts only for a request that passes.)
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
