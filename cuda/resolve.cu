@@ -115,11 +115,13 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // goes to put(k, slot), k < count; the puts are complete block-wide after the caller's next barrier (phase D's
 // first scan; nothing reads them before it, so a barrier here would only cost). Three steps, each exact for any
 // stamps (every i64 is a legal stamp):
-//   1. radix select of T, the count-th smallest key among those slots: digits of 8 bits, most significant
-//      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words). The
-//      digits above the highest bit in which the slots' smallest and largest keys differ are theirs (s_range:
-//      {all ones, 0} on entry, complete block-wide before the caller's last barrier), so the select starts
-//      there: a region's stamps span a few clocks, some 40 bits, not 64;
+//   1. radix select of T, the count-th smallest key among those slots: digits of 6 bits, most significant
+//      first, each a shared histogram of the slots whose higher digits match T's so far. The histograms take
+//      turns, three of 64 bins in hist (192 words): digit d counts into one while the one digit d + 1 takes is
+//      cleared (its last reads were two digits ago, before the last barrier), and every warp works the digit out
+//      for itself, so a digit takes one barrier. The digits above the highest bit in which the slots' smallest and
+//      largest keys differ are theirs (s_range: {all ones, 0} on entry, complete block-wide before the caller's
+//      last barrier), so the select starts there: a region's stamps span a few clocks, some 40 bits, not 64;
 //   2. one pass in slot order: the slots below T in a list (list(c) = slot c, the caller's scratch of count
 //      entries), the first `left` slots at T (ties by slot) are E[count - left ..) in slot order;
 //   3. the slots below T ranked among themselves, pair by pair: (count - left)^2 compares over the block, zero
@@ -127,10 +129,11 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // Every thread of the block must call it.
 template <class List, class Put>
 __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int count, u32* hist, int* warp_sums,
-                              u64* s_range, u64* s_prefix, int* s_left, List list, Put put) {
+                              u64* s_range, List list, Put put) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   const int lane = tid & 31;
+  for (int k = tid; k < 64; k += nt) hist[k] = 0;  // the first digit's histogram
   u64 lo = ~0ull, hi = 0;
   for (int s = tid; s < H; s += nt) {
     if (test_bit(hit, (u32)s)) continue;
@@ -144,44 +147,33 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
   lo = s_range[0];
   hi = s_range[1];
   const int top = lo == hi ? -1 : 63 - __clzll((i64)(lo ^ hi));  // the highest bit in which keys differ
-  const int first_shift = top < 0 ? -8 : top / 8 * 8;
-  u64 prefix = first_shift >= 56 ? 0 : lo & (~0ull << (first_shift + 8));  // T's digits found so far
+  const int first_shift = top < 0 ? -6 : top / 6 * 6;
+  u64 prefix = first_shift >= 58 ? 0 : lo & (~0ull << (first_shift + 6));  // T's digits found so far
   int left = count;  // T is the left-th smallest key among the slots whose high digits equal prefix's
-  for (int shift = first_shift; shift >= 0; shift -= 8) {
-    for (int k = tid; k < 256; k += nt) hist[k] = 0;
-    __syncthreads();  // hist is clear (and the last digit's s_prefix / s_left read)
-    const u64 high = shift == 56 ? 0 : ~0ull << (shift + 8);
+  for (int shift = first_shift, d = 0; shift >= 0; shift -= 6, ++d) {
+    u32* cur = hist + 64 * (d % 3);
+    for (int k = tid; k < 64; k += nt) hist[64 * ((d + 1) % 3) + k] = 0;
+    const u64 high = shift >= 58 ? 0 : ~0ull << (shift + 6);
     for (int s = tid; s < H; s += nt) {
       if (test_bit(hit, (u32)s)) continue;
       const u64 key = stamp_key(stamps[s]);
-      if ((key & high) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+      if ((key & high) == prefix) atomicAdd(&cur[(key >> shift) & 63], 1u);
     }
     __syncthreads();  // the histogram is complete
-    if (tid < 32) {  // lane l scans bins 8l .. 8l + 7: the digit is the first bin where the running sum reaches left
-      u32 c[8];
-      u32 sum = 0;
+    // Lane l holds bins 2l, 2l + 1: the digit is the first bin where the running sum reaches left.
+    const u32 c0 = cur[2 * lane], c1 = cur[2 * lane + 1];
+    u32 incl = c0 + c1;
 #pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        c[b] = hist[8 * lane + b];
-        sum += c[b];
-      }
-      u32 incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-      }
-      u32 below = incl - sum;
-      if (below < (u32)left && incl >= (u32)left) {  // exactly one lane holds the digit
-        int b = 0;
-        while (below + c[b] < (u32)left) below += c[b++];
-        *s_prefix = prefix | ((u64)(8 * lane + b) << shift);
-        *s_left = left - (int)below;
-      }
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
     }
-    __syncthreads();  // the digit is published
-    prefix = *s_prefix;
-    left = *s_left;
+    const u32 below = incl - c0 - c1;
+    const int holder = __ffs(__ballot_sync(HS_FULL_MASK, below < (u32)left && incl >= (u32)left)) - 1;  // one lane
+    const bool second = below + c0 < (u32)left;
+    const int digit = __shfl_sync(HS_FULL_MASK, 2 * lane + second, holder);
+    left -= __shfl_sync(HS_FULL_MASK, (int)(second ? below + c0 : below), holder);
+    prefix |= (u64)digit << shift;
   }
   // Step 2: runs of 16 slots a thread, both counts in one scan (each below 2^16 a round: 16 * blockDim slots).
   const int less = count - left;
@@ -199,7 +191,9 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
       }
     }
     int total;
-    const int packed = block_exclusive_scan(__popc(below) | __popc(at) << 16, &total, warp_sums);
+    // The last round leaves out its scan's last barrier when step 3's first one follows.
+    const int packed = block_exclusive_scan(__popc(below) | __popc(at) << 16, &total, warp_sums,
+                                            r0 + 16 * nt < H || less == 0);
     int lr = less_base + (packed & 0xffff);
     int tr = tie_base + (packed >> 16);
     for (int u = 0; u < 16; ++u) {
@@ -375,10 +369,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left, s_u;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_u;
   __shared__ i64 s_clock;
-  __shared__ u64 s_prefix, s_range[2];
-  __shared__ u32 s_hist[256];  // phase C's radix digits
+  __shared__ u64 s_range[2];
+  __shared__ u32 s_hist[256];  // the buckets' bins (the bucketed path), else phase C's radix digits
 
   u64* tab = smem;
   int* rows = (int*)(tab + cap);
@@ -421,6 +415,11 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     return b >= 0 && b < gpu_blocks ? b : -1;
   };
   auto hot_row = [&](u32 slot) { return hb_row[slot / bs] * bs + (int)(slot % bs); };
+  // Check 4's flags for a miss at pos: its page without a host copy, or with one outside the pool.
+  auto host_flags = [&](int pos) {
+    const int host_block = ht_row[pos / bs];
+    return host_block < 0 ? HS_NO_HOST_COPY : host_block >= host_blocks ? HS_BAD_TABLE : 0;
+  };
   auto entry = [&](u32 t) { return plan + 2u * ((u32)rows[t / K] * (u32)K + t % K); };
 
   // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
@@ -761,9 +760,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
   // The short paths: done when everything hit; else phase A2 compacts U (in request order, a scan a round) into the
-  // entries as the long path's phase A does, each entry with its hit's slot, and (not bucketed) makes the table map
-  // U to it.
+  // entries as the long path's phase A does, each entry with its hit's slot, (not bucketed) makes the table map U
+  // to it, and runs check 4 on the misses.
   const bool done = (fast || s_full) && ok && s_hits == n;
+  int host = 0;  // check 4's flags of this thread's misses
   if (fast && ok && !done) {
     int t0 = 0;
     for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
@@ -779,6 +779,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         const u32 h = table_find(tab, cap, pos);
         const u32 mark = (u32)tab[h];
         entry(t)[0] = u_word(pos, mark & CLAIM_BIT ? mark & ~(U_BIT | CLAIM_BIT) : HS_NONE);
+        if (!(mark & CLAIM_BIT)) host |= host_flags(pos);
         ((u32*)entry(t))[2] = (u32)q;
         tab[h] = table_entry(pos, U_BIT | (u32)t);
         ++t;
@@ -799,11 +800,15 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         [&](int q, u64 word, bool first, int t) {
           if (!first) return;
           entry((u32)t)[0] = word;
+          if (u_slot(word) == HS_NONE) host |= host_flags(u_pos(word));
           ((u32*)entry((u32)t))[2] = (u32)q;
         },
         warp_sums, false);
   }
-  if ((fast || s_full) && ok && !done) __syncthreads();  // the entries (and the table's map of U) are complete
+  if ((fast || s_full) && ok && !done) {
+    if (host != 0) atomicOr(&s_host, host);
+    __syncthreads();  // the entries (and the table's map of U) and check 4's flags are complete
+  }
   if (done && s_full) {
     // The bucketed path, everything hit: as below, each element's slot from the entry of its first occurrence.
     const i64 clock = s_clock + 1;
@@ -836,18 +841,19 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       out[gi] = row;
     });
   }
-  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: phase B's barrier.)
+  // Check 4: every miss's page has a host copy inside the pool (the short paths' phase A2 checked as it went).
+  // (s_hits is complete: phase B's barrier.)
   if (ok) n_miss = n - s_hits;
   if (ok && n_miss > 0) {
-    int flags = 0;
-    for (int t = tid; t < n; t += nt) {
-      const u64 word = entry(t)[0];
-      if (u_slot(word) != HS_NONE) continue;
-      const int host_block = ht_row[u_pos(word) / bs];
-      flags |= host_block < 0 ? HS_NO_HOST_COPY : host_block >= host_blocks ? HS_BAD_TABLE : 0;
+    if (!fast && !s_full) {
+      int flags = 0;
+      for (int t = tid; t < n; t += nt) {
+        const u64 word = entry(t)[0];
+        if (u_slot(word) == HS_NONE) flags |= host_flags(u_pos(word));
+      }
+      if (flags != 0) atomicOr(&s_host, flags);
+      __syncthreads();
     }
-    if (flags != 0) atomicOr(&s_host, flags);
-    __syncthreads();
     ok = s_host == 0;
     if (!ok && tid == 0) s_status |= s_host;
   }
@@ -858,7 +864,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // the entries' word 1; out's entries of the request list the slots it ranks. Nothing without misses.
     if (n_miss > 0) {
       select_oldest(
-          hs, H, bits, n_miss, s_full ? (u32*)tab : s_hist, warp_sums, s_range, &s_prefix, &s_left,
+          hs, H, bits, n_miss, s_full ? (u32*)tab : s_hist, warp_sums, s_range,
           [&](int c) -> int& { return out[(u32)rows[c / K] * (u32)K + (u32)(c % K)]; },
           [&](int m, u32 s) { ((u32*)entry((u32)m))[3] = s; });
     }
