@@ -994,6 +994,9 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "resident_flag_barriers": _resident_flag_barriers,
     "gather": _gather,
     "resident_flag_one_bad": _resident_flag_one_bad,
+    # no_host_copy on the long path (hot regions past HB_PAIRWISE blocks), whose check 4 is a pass of its own (the
+    # short paths' phase A2 checks as it goes)
+    "no_host_copy_long": _resolve_kind({"no_host": 0.05, "H": 1100, "bs": 4, "P": 512, "hot_fill": 0.1}),
 }
 # The suite's order: first one kind for each part of the kernels (a mutant usually fails in these), then the rest.
 FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "invalidate", "replay_layers",
