@@ -15,8 +15,10 @@ The cases:
 - ``resident_unflagged``: ``resident_only`` without the flag, as an integration that does not carry it resolves it;
 - ``mtp5_1m_hash``, ``mtp5_1m_windowed``: requests of 5 batch rows (MTP 4) at 1M tokens selecting 10,240 distinct
   positions, every one cached in a hot region of 10,240 rows; on a 227 KB part (sm_90: the hash table takes the
-  whole selection) and on a 99 KB part (sm_120: the table is clamped to 3/4 of that, so first occurrences and U's
-  lookups go window by window, 2 * table entries positions a window: ``windows`` per request).
+  whole selection) and on a 99 KB part (sm_120: the table is clamped below the selection, so the request takes
+  the bucketed path, formerly windows of positions: first occurrences and hits bucket by bucket, each bucket a
+  range of positions that fits the table, cut from a histogram of the selection: ``buckets`` per request, as
+  :func:`buckets` works them out).
 
 Per case, over the call's requests (means):
 
@@ -34,8 +36,9 @@ Global memory is what the kernels are given: the state tensors, top-K, the outpu
 pool, the layer table; never shared memory.
 
 A case that the launch arithmetic refuses (shared memory) reports ``ran: false`` and why, instead of failing.
-``targets`` holds issue 17's CPU budget for a hit-only request at H = 10,240 (<= 6 barriers, <= 128 KB) against
-the counts.
+``targets`` holds issue 17's CPU budgets against the counts: a hit-only request at H = 10,240 (<= 6 barriers,
+<= 128 KB), and the bucketed path at most twice the hash path's barriers (``mtp5_1m_windowed`` against
+``mtp5_1m_hash``).
 
     PYTHONPATH=python python benches/resolve_budget.py [--batch N] [--seed S] [--cases a,b]
 """
@@ -63,6 +66,7 @@ ROW_BYTES = 656
 BLOCK_SIZE = 64
 HOST_BLOCKS = 256  # pages share host blocks beyond this (a host copy is only read)
 TARGETS = {"barriers_per_request": 6, "global_bytes_per_request": 128 * 1024}  # hit_only_h10240
+BUCKETED_VS_HASH = 2.0  # mtp5_1m_windowed's barriers per request over mtp5_1m_hash's, at most
 CASES = {
     "hit_only_h4096": {"hot_rows": 4096, "miss_rate": 0.0},
     "hit_only_h10240": {"hot_rows": 10240, "miss_rate": 0.0},
@@ -122,6 +126,27 @@ def make_case(*, hot_rows: int, miss_rate: float, batch: int, seed: int, seq_len
     }
 
 
+def buckets(positions: torch.Tensor, length: int, limit: int) -> int:
+    """The buckets resolve's bucketed path takes for one request's selection (``bucket_end`` in cuda/resolve.cu):
+    256 bins over [0, length), each bounding its distinct positions by min(its elements, its width); a bucket takes
+    whole bins while their bounds add up to at most ``limit``, and a bin past it goes in ranges of ``limit``."""
+    shift = max(0, (length - 1).bit_length() - 8)
+    valid = positions[(positions >= 0) & (positions < length)].long()
+    bound = torch.bincount(valid >> shift, minlength=256).clamp(max=1 << shift).tolist()
+    n, lo = 0, 0
+    while lo < length:
+        b = lo >> shift
+        if bound[b] > limit:
+            hi = min(lo + limit, (b + 1) << shift, length)
+        else:
+            total, e = bound[b], b + 1
+            while e < 256 and bound[e] <= limit and total + bound[e] <= limit:
+                total, e = total + bound[e], e + 1
+            hi = min(e << shift, length)
+        n, lo = n + 1, hi
+    return n
+
+
 def measure(h: Harness, name: str, batch: int, seed: int) -> dict:
     """One case: resolve on the harness against the reference, and its counts per request."""
     params = CASES[name]
@@ -133,8 +158,9 @@ def measure(h: Harness, name: str, batch: int, seed: int) -> dict:
     try:
         shared = resolve_shared(top_k=TOP_K, hot_rows=params["hot_rows"], batch_rows=batch * rows,
                                 rows_per_request=rows, limit=smem)
-        if shared.fast_positions < rows * TOP_K:  # the selection's distinct positions past the table: windows
-            row["windows"] = -(-row["seq_len"] // (2 * shared.capacity))
+        if shared.fast_positions < rows * TOP_K:  # the selection's distinct positions past the table: buckets
+            per_request = case["topk"].view(batch, rows * TOP_K)
+            row["buckets"] = max(buckets(p, row["seq_len"], shared.fast_positions) for p in per_request)
         row["table_entries"] = shared.capacity
         run_resolve(h, case, group=0, seed=seed, preempt=0.05, max_smem=smem, rows_per_request=rows)
         matched, error = True, None
@@ -190,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: measure(h, name, args.batch, args.seed + i) for i, name in enumerate(names)}
     ran = [r for r in results.values() if r["ran"]]
     budget = results.get("hit_only_h10240", {})
+    targets = {k: {"case": "hit_only_h10240", "target": v, "measured": budget.get(k),
+                   "met": None if budget.get(k) is None else budget[k] <= v} for k, v in TARGETS.items()}
+    hashed, bucketed = (results.get(k, {}).get("barriers_per_request") for k in ("mtp5_1m_hash", "mtp5_1m_windowed"))
+    ratio = None if hashed is None or bucketed is None else round(bucketed / hashed, 2)
+    targets["bucketed_barriers_vs_hash"] = {"case": "mtp5_1m_windowed", "target": BUCKETED_VS_HASH, "measured": ratio,
+                                            "met": None if ratio is None else ratio <= BUCKETED_VS_HASH}
     report = {
         "shape": {"top_k": TOP_K, "block_size": BLOCK_SIZE, "row_bytes": ROW_BYTES, "layers": 1, "batch": args.batch},
         "all_matched": bool(ran) and all(r["matched"] for r in ran),
-        "targets": {k: {"case": "hit_only_h10240", "target": v, "measured": budget.get(k),
-                        "met": None if budget.get(k) is None else budget[k] <= v} for k, v in TARGETS.items()},
+        "targets": targets,
         "cases": results,
     }
     print(json.dumps(report))

@@ -115,11 +115,13 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // goes to put(k, slot), k < count; the puts are complete block-wide after the caller's next barrier (phase D's
 // first scan; nothing reads them before it, so a barrier here would only cost). Three steps, each exact for any
 // stamps (every i64 is a legal stamp):
-//   1. radix select of T, the count-th smallest key among those slots: digits of 8 bits, most significant
-//      first, each a shared histogram of the slots whose higher digits match T's so far (hist: 256 words). The
-//      digits above the highest bit in which the slots' smallest and largest keys differ are theirs (s_range:
-//      {all ones, 0} on entry, complete block-wide before the caller's last barrier), so the select starts
-//      there: a region's stamps span a few clocks, some 40 bits, not 64;
+//   1. radix select of T, the count-th smallest key among those slots: digits of 6 bits, most significant
+//      first, each a shared histogram of the slots whose higher digits match T's so far. The histograms take
+//      turns, three of 64 bins in hist (192 words): digit d counts into one while the one digit d + 1 takes is
+//      cleared (its last reads were two digits ago, before the last barrier), and every warp works the digit out
+//      for itself, so a digit takes one barrier. The digits above the highest bit in which the slots' smallest and
+//      largest keys differ are theirs (s_range: {all ones, 0} on entry, complete block-wide before the caller's
+//      last barrier), so the select starts there: a region's stamps span a few clocks, some 40 bits, not 64;
 //   2. one pass in slot order: the slots below T in a list (list(c) = slot c, the caller's scratch of count
 //      entries), the first `left` slots at T (ties by slot) are E[count - left ..) in slot order;
 //   3. the slots below T ranked among themselves, pair by pair: (count - left)^2 compares over the block, zero
@@ -127,10 +129,11 @@ __device__ __forceinline__ u64 stamp_key(i64 stamp) { return (u64)stamp ^ (1ull 
 // Every thread of the block must call it.
 template <class List, class Put>
 __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int count, u32* hist, int* warp_sums,
-                              u64* s_range, u64* s_prefix, int* s_left, List list, Put put) {
+                              u64* s_range, List list, Put put) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   const int lane = tid & 31;
+  for (int k = tid; k < 64; k += nt) hist[k] = 0;  // the first digit's histogram
   u64 lo = ~0ull, hi = 0;
   for (int s = tid; s < H; s += nt) {
     if (test_bit(hit, (u32)s)) continue;
@@ -144,44 +147,33 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
   lo = s_range[0];
   hi = s_range[1];
   const int top = lo == hi ? -1 : 63 - __clzll((i64)(lo ^ hi));  // the highest bit in which keys differ
-  const int first_shift = top < 0 ? -8 : top / 8 * 8;
-  u64 prefix = first_shift >= 56 ? 0 : lo & (~0ull << (first_shift + 8));  // T's digits found so far
+  const int first_shift = top < 0 ? -6 : top / 6 * 6;
+  u64 prefix = first_shift >= 58 ? 0 : lo & (~0ull << (first_shift + 6));  // T's digits found so far
   int left = count;  // T is the left-th smallest key among the slots whose high digits equal prefix's
-  for (int shift = first_shift; shift >= 0; shift -= 8) {
-    for (int k = tid; k < 256; k += nt) hist[k] = 0;
-    __syncthreads();  // hist is clear (and the last digit's s_prefix / s_left read)
-    const u64 high = shift == 56 ? 0 : ~0ull << (shift + 8);
+  for (int shift = first_shift, d = 0; shift >= 0; shift -= 6, ++d) {
+    u32* cur = hist + 64 * (d % 3);
+    for (int k = tid; k < 64; k += nt) hist[64 * ((d + 1) % 3) + k] = 0;
+    const u64 high = shift >= 58 ? 0 : ~0ull << (shift + 6);
     for (int s = tid; s < H; s += nt) {
       if (test_bit(hit, (u32)s)) continue;
       const u64 key = stamp_key(stamps[s]);
-      if ((key & high) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+      if ((key & high) == prefix) atomicAdd(&cur[(key >> shift) & 63], 1u);
     }
     __syncthreads();  // the histogram is complete
-    if (tid < 32) {  // lane l scans bins 8l .. 8l + 7: the digit is the first bin where the running sum reaches left
-      u32 c[8];
-      u32 sum = 0;
+    // Lane l holds bins 2l, 2l + 1: the digit is the first bin where the running sum reaches left.
+    const u32 c0 = cur[2 * lane], c1 = cur[2 * lane + 1];
+    u32 incl = c0 + c1;
 #pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        c[b] = hist[8 * lane + b];
-        sum += c[b];
-      }
-      u32 incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-      }
-      u32 below = incl - sum;
-      if (below < (u32)left && incl >= (u32)left) {  // exactly one lane holds the digit
-        int b = 0;
-        while (below + c[b] < (u32)left) below += c[b++];
-        *s_prefix = prefix | ((u64)(8 * lane + b) << shift);
-        *s_left = left - (int)below;
-      }
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
     }
-    __syncthreads();  // the digit is published
-    prefix = *s_prefix;
-    left = *s_left;
+    const u32 below = incl - c0 - c1;
+    const int holder = __ffs(__ballot_sync(HS_FULL_MASK, below < (u32)left && incl >= (u32)left)) - 1;  // one lane
+    const bool second = below + c0 < (u32)left;
+    const int digit = __shfl_sync(HS_FULL_MASK, 2 * lane + second, holder);
+    left -= __shfl_sync(HS_FULL_MASK, (int)(second ? below + c0 : below), holder);
+    prefix |= (u64)digit << shift;
   }
   // Step 2: runs of 16 slots a thread, both counts in one scan (each below 2^16 a round: 16 * blockDim slots).
   const int less = count - left;
@@ -199,7 +191,9 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
       }
     }
     int total;
-    const int packed = block_exclusive_scan(__popc(below) | __popc(at) << 16, &total, warp_sums);
+    // The last round leaves out its scan's last barrier when step 3's first one follows.
+    const int packed = block_exclusive_scan(__popc(below) | __popc(at) << 16, &total, warp_sums,
+                                            r0 + 16 * nt < H || less == 0);
     int lr = less_base + (packed & 0xffff);
     int tr = tie_base + (packed >> 16);
     for (int u = 0; u < 16; ++u) {
@@ -231,6 +225,56 @@ __device__ void select_oldest(const i64* stamps, int H, const u32* hit, int coun
     if (c < less) put(rank, s);
   }
 }
+
+// Buckets: a selection of more distinct positions than resolve's table takes goes bucket by bucket, each bucket a
+// range of positions [lo, hi) that holds at most `limit` distinct selected positions, so that each fits the table.
+// hist[b] counts the selected elements at positions [b << shift, (b + 1) << shift) (256 bins over [0, len)), and a
+// bin holds at most min(count, width) distinct positions. The bucket from lo (a bin's start, or inside a bin too
+// heavy for one bucket) takes whole bins while their bounds add up to at most limit; a heavy bin goes in ranges of
+// limit positions. Returns hi. Every warp works it out for itself (lane l holds bins 8l .. 8l + 7), so no barrier
+// publishes it. Not inlined: it stays out of the register budget of resolve's other phases.
+__device__ __noinline__ u32 bucket_end(const u32* hist, u32 lo, u32 len, int shift, u32 limit) {
+  const int lane = threadIdx.x & 31;
+  const u32 b0 = lo >> shift;
+  u32 w[8], sum = 0;
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    w[b] = min(hist[8 * lane + b], 1u << shift);
+    sum += w[b];
+  }
+  u32 incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+    if (lane >= o) incl += y;
+  }
+  u32 run = incl - sum, before = 0, own = 0;  // on b0's lane: the bounds of the bins before b0, and b0's
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    if ((u32)(8 * lane + b) == b0) {
+      before = run;
+      own = w[b];
+    }
+    run += w[b];
+  }
+  before = __shfl_sync(HS_FULL_MASK, before, (int)(b0 >> 3));
+  own = __shfl_sync(HS_FULL_MASK, own, (int)(b0 >> 3));
+  if (own > limit) return min(min(lo + limit, (b0 + 1) << shift), len);
+  u32 end = 256;  // the first bin after b0 that is heavy or would take the bucket past limit
+  run = incl - sum;
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    run += w[b];
+    const u32 bin = 8 * lane + b;
+    if (bin > b0 && end == 256 && (w[b] > limit || run - before > limit)) end = bin;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) end = min(end, __shfl_xor_sync(HS_FULL_MASK, end, o));
+  return min(end << shift, len);
+}
+
+// Whether pos (-1 for none) lies in the bucket [lo, hi).
+__device__ __forceinline__ bool in_bucket(int pos, u32 lo, u32 hi) { return (u32)pos - lo < hi - lo; }
 
 // heat_row[page] += 1 for every lane whose page is >= 0, with one atomic per distinct page of the warp: a
 // step's selection crowds onto a few pages (the tail, the last turn), whose counters would otherwise take up
@@ -290,21 +334,25 @@ __device__ __noinline__ void resolve_resident_hashed(const u64* tab, u32 cap, co
 // write -1. Dynamic shared memory, its size set by the selection (top_k x the rows of a request) and growing
 // with H only by one bit per hot slot:
 //   u64 tab[cap]              hash table of positions: first occurrences (phase A), whose entries of U then
-//                             map U -> index in U; past HB_PAIRWISE hot blocks (or after windowed phase A), a
+//                             map U -> index in U; past HB_PAIRWISE hot blocks (or on the bucketed path), a
 //                             bitmap of the hot blocks (checks 1-3), then a rebuilt map of U
 //   int rows[R]               the request's batch rows
 //   u32 bits[ceil(H / 32)]    slots that hold a hit (phase B)
-// A request with more distinct positions than 3/4 of cap leaves the hash for an exact, slower path of
-// windows of 2 * cap positions (tab as a direct-mapped array). The state of U (positions, slots, first request
+// A request with more distinct positions than 3/4 of cap (the table fills) takes the bucketed path: the same
+// phases, one table per bucket of positions (bucket_end: ranges cut from a histogram of the selection, which the
+// filling pass takes in s_hist; on this path phase C's radix digits go to tab), three barriers a bucket in phase A
+// (and, for a U past 3/4 of cap that misses, in phase E). The state of U (positions, slots, first request
 // indices, E) lives in the request's own entries of `plan` (n_rows * K entries of 16 bytes >= |U|), and the
-// request's entries of `out` serve as scratch before phase E writes them: in windowed phase A they mark U's
-// members, in phase C they list the slots it ranks.
+// request's entries of `out` serve as scratch before phase E writes them: on the bucketed path they hold the first
+// request index of each member of U, in phase C they list the slots it ranks.
 //
 // A step without misses on the short path (below) writes its row ids, its heat and the stamps of U's slots, and
 // nothing else: no scan of U, no entries, no LRU pass, no plan, no copies. Its barriers (one request row): phase
 // A's first (which also counts the request's rows), its table's, its marks', and the checks' (which phase B
 // shares): four; a request that selects nothing outside the resident pages skips the last. A request the core
 // flags resident (`resident[r]`, below) takes the resident path: phase A's first two barriers and nothing else.
+// The bucketed path's short path adds three barriers a bucket after phase A's table fills (MTP 4 at 1M tokens on a
+// 99 KB part: two buckets, 17 barriers a request against the hash path's 12; benches/resolve_budget.py).
 //
 // Nothing here waits for the host, and every output is independent of thread scheduling: the hash table's
 // layout may vary, but what it answers does not, and all state of request r is written by its CTA alone (its
@@ -321,10 +369,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
                      int H, int HB, int g, int L, int bs, int rb, int gpu_blocks, int host_blocks, int cap) {
   HS_DYNAMIC_SHARED(u64, smem);
   __shared__ int warp_sums[32];
-  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_left, s_u;
+  __shared__ int s_claimed, s_full, s_hits, s_dup, s_host, s_status, s_u;
   __shared__ i64 s_clock;
-  __shared__ u64 s_prefix, s_range[2];
-  __shared__ u32 s_hist[256];  // phase C's radix digits
+  __shared__ u64 s_range[2];
+  __shared__ u32 s_hist[256];  // the buckets' bins (the bucketed path), else phase C's radix digits
 
   u64* tab = smem;
   int* rows = (int*)(tab + cap);
@@ -354,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   const int raw_len = seq_lens[r];
   const int len = min(max(raw_len, 0), P * bs);  // the launcher keeps P * bs below 2^31
   const int limit = cap - cap / 4;                // cap / 4 >= blockDim: see table_insert_min
-  const u32 window = 2u * (u32)cap;               // positions per window: u32 words in tab's bytes
+  const int shift = len > 256 ? 24 - __clz(len - 1) : 0;  // bins of 1 << shift positions: 256 cover [0, len)
 
   // -1 for padding and for positions outside [0, len).
   auto position = [&](u32 gi, bool active) {
@@ -367,12 +415,18 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     return b >= 0 && b < gpu_blocks ? b : -1;
   };
   auto hot_row = [&](u32 slot) { return hb_row[slot / bs] * bs + (int)(slot % bs); };
+  // Check 4's flags for a miss at pos: its page without a host copy, or with one outside the pool.
+  auto host_flags = [&](int pos) {
+    const int host_block = ht_row[pos / bs];
+    return host_block < 0 ? HS_NO_HOST_COPY : host_block >= host_blocks ? HS_BAD_TABLE : 0;
+  };
   auto entry = [&](u32 t) { return plan + 2u * ((u32)rows[t / K] * (u32)K + t % K); };
 
   // Phase A: heat of every distinct valid position, and U (valid, block 0, in order of first occurrence) into
   // the entries. First occurrence = the element whose request index q is the smallest of its position's.
   for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
   for (int k = tid; k < words; k += nt) bits[k] = 0;  // hit slots
+  for (int k = tid; k < 256; k += nt) s_hist[k] = 0;  // the buckets' bins
   if (tid == 0) {
     s_claimed = 0;
     s_full = 0;
@@ -408,33 +462,62 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     }
     __syncthreads();  // publishes rows
   }
-  int* claimed = n_rows * K > limit ? &s_claimed : nullptr;  // a selection larger than the table may fill it
+  // A selection larger than the table may fill it; its elements also go to the buckets' bins (bucket_end).
+  int* claimed = n_rows * K > limit ? &s_claimed : nullptr;
   for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
     const int pos = position(gi, active);
     if (pos >= 0 && !table_insert_min(tab, cap, pos, q, claimed, limit)) s_full = 1;
+    if (pos >= 0 && claimed != nullptr) atomicAdd(&s_hist[pos >> shift], 1u);
   });
   __syncthreads();
 
-  // First occurrences, window by window, for a selection of more distinct positions than the table takes: a
-  // direct-mapped array of first request indices over tab needs no probing. visit(gi, pos, first) sees every
-  // element once per window (pos -1 when invalid; first only in the window of pos); for_each_element gives an
-  // element to one thread in every pass.
-  auto windowed_firsts = [&](auto visit) {
-    u32* first_at = (u32*)tab;
-    for (u32 w = 0; w < (u32)len; w += window) {
-      for (u32 k = tid; k < window; k += nt) first_at[k] = HS_NONE;
-      __syncthreads();
-      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-        const int pos = position(gi, active);
-        if (pos >= 0 && (u32)pos - w < window) atomicMin(&first_at[pos - w], q);
-      });
-      __syncthreads();
-      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-        const int pos = position(gi, active);
-        visit(gi, pos, pos >= 0 && (u32)pos - w < window && first_at[pos - w] == q);
-      });
-      __syncthreads();  // first_at is cleared next
+  // The bucketed path (the table filled: more distinct positions than it takes) runs body(lo, hi) for each bucket.
+  auto for_each_bucket = [&](auto body) {
+    for (u32 lo = 0, hi; lo < (u32)len; lo = hi) {
+      hi = bucket_end(s_hist, lo, (u32)len, shift, (u32)limit);
+      body(lo, hi);
     }
+  };
+  // First occurrences bucket by bucket: the table of the bucket's positions and their first request indices, then
+  // visit(q, gi, pos, f) for every element (pos -1 outside the bucket; f = the first request index of pos), three
+  // barriers a bucket. With `claim`, phase B too (the hits, see there): each element's entry starts as its position
+  // without a slot, and each hot slot holding a selected position of U (valid, block 0) marks its table entry
+  // (U_BIT: a second slot finds it marked) and takes the entry of the position's first occurrence. The marks
+  // leave every f readable, so visits and claims share one interval.
+  auto bucketed_firsts = [&](bool claim, auto visit) {
+    for_each_bucket([&](u32 lo, u32 hi) {
+      for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
+      __syncthreads();
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        if (!in_bucket(pos, lo, hi)) return;
+        table_insert_min(tab, cap, pos, q, nullptr, 0);  // at most limit positions: no count
+        if (claim) ((u32*)entry(q))[1] = HS_NONE;  // the slot half of word 0
+      });
+      __syncthreads();
+      for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+        const int pos = position(gi, active);
+        const bool mine = in_bucket(pos, lo, hi);
+        visit(q, gi, mine ? pos : -1, mine ? table_value(tab, cap, pos) & ~U_BIT : HS_NONE);
+      });
+      if (claim) {
+        int hits = 0;
+        for_each_loaded<3>(hp, H, [&](int s, int pos) {
+          const u32 h = in_bucket(pos, lo, hi) ? table_find(tab, cap, pos) : HS_NONE;
+          if (h == HS_NONE || block_of(pos) != 0) return;
+          const u64 mark = atomicOr(&tab[h], (u64)U_BIT);
+          if ((u32)mark & U_BIT) {
+            s_dup = 1;  // a second slot holds the position
+            return;
+          }
+          atomicOr(&bits[s >> 5], 1u << (s & 31));
+          ((u32*)entry((u32)mark))[1] = (u32)s;
+          ++hits;
+        });
+        if (hits > 0) atomicAdd(&s_hits, hits);
+      }
+      __syncthreads();  // tab is cleared next (or, after the last bucket, n, the hits and the flags are complete)
+    });
   };
 
   // The resident path: a request flagged resident reads every page in place (SPEC.md), so it has no U: each element
@@ -447,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       resolve_resident_hashed(tab, (u32)cap, rows, n_rows, K, topk, len, bt_row, bs, gpu_blocks, heat_row, out,
                               &status[r]);
     } else {
-      windowed_firsts([&](u32, int pos, bool first) { add_heat(heat_row, first ? pos / bs : -1); });
+      bucketed_firsts(false, [&](u32 q, u32, int pos, u32 f) { add_heat(heat_row, f == q ? pos / bs : -1); });
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
         resolve_in_place(bt_row, bs, gpu_blocks, position(gi, active), active, &out[gi], &status[r]);
       });
@@ -542,33 +625,25 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       n += total;
     }
   } else {
-    // More distinct positions than the table takes: windowed first occurrences (above); out[gi] marks U's members
-    // (-1 for the others) until they are gathered in request order.
-    for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
-      if (active) out[gi] = -1;
-    });
-    windowed_firsts([&](u32 gi, int pos, bool first) {
+    // More distinct positions than the table takes: the bucketed path, a short path too. Phase A and B bucket by
+    // bucket (above), counting U; out[gi] holds the first request index of each member of U until phase E (or
+    // phase A2, which compacts U when something misses) reads it.
+    bucketed_firsts(true, [&](u32 q, u32 gi, int pos, u32 f) {
+      const bool first = f == q;
       add_heat(heat_row, first ? pos / bs : -1);
-      const int block = first ? block_of(pos) : 1;
-      if (block < 0) atomicOr(&s_status, HS_BAD_TABLE);
-      if (block == 0) out[gi] = pos;
+      const int block = pos >= 0 ? block_of(pos) : 1;
+      if (first && block < 0) atomicOr(&s_status, HS_BAD_TABLE);
+      if (block == 0) out[gi] = (int)f;
+      const u32 marked = __ballot_sync(HS_FULL_MASK, first && block == 0);
+      if ((tid & 31) == 0 && marked != 0) atomicAdd(&s_u, __popc(marked));
     });
-    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
-      const int pos = active ? out[gi] : -1;
-      int total;
-      const int t = n + block_exclusive_scan(pos >= 0, &total, warp_sums);
-      if (pos >= 0) {
-        entry(t)[0] = u_word(pos, HS_NONE);
-        ((u32*)entry(t))[2] = q;
-      }
-      n += total;
-    });
+    n = s_u;
   }
 
   // Runs consume(find), find(pos) = the index of pos in U or HS_NONE: through the hash table of U when U fits
-  // it (built when `build`; nothing else writes tab once it is), else once per window of positions, where
-  // find answers only for the window's positions: consumers act on found positions alone, so each acts once.
-  // Every consumer action is complete block-wide when it returns, except, on the hash path, when `sync` is false
+  // it (built when `build`; nothing else writes tab once it is), else once per bucket (the bucketed path's), where
+  // find answers only for the bucket's positions: consumers act on found positions alone, so each acts once.
+  // Every consumer action is complete block-wide when it returns, except, with one table, when `sync` is false
   // (the caller's last use: nothing after it reads what consume writes, nor writes what it reads).
   auto with_u_map = [&](bool build, bool sync, auto consume) {
     if (n <= limit) {
@@ -581,18 +656,17 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       consume([&](int pos) { return table_u_index(tab, cap, pos); });
       if (sync) __syncthreads();
     } else {
-      u32* index_at = (u32*)tab;
-      for (u32 w = 0; w < (u32)len; w += window) {
-        for (u32 k = tid; k < window; k += nt) index_at[k] = HS_NONE;
+      for_each_bucket([&](u32 lo, u32 hi) {
+        for (int k = tid; k < cap; k += nt) tab[k] = EMPTY_ENTRY;
         __syncthreads();
         for (int t = tid; t < n; t += nt) {
           const int pos = u_pos(entry(t)[0]);
-          if ((u32)pos - w < window) index_at[pos - w] = t;
+          if (in_bucket(pos, lo, hi)) table_insert_new(tab, cap, pos, U_BIT | (u32)t);
         }
         __syncthreads();
-        consume([&](int pos) { return pos >= 0 && (u32)pos - w < window ? index_at[pos - w] : HS_NONE; });
+        consume([&](int pos) { return in_bucket(pos, lo, hi) ? table_u_index(tab, cap, pos) : HS_NONE; });
         __syncthreads();
-      }
+      });
     }
   };
 
@@ -600,7 +674,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   // blocks; else seen: a bitmap of block ids over tab, which phase A's table then gives up, in windows of
   // 64 * cap ids: one window unless the slab has more blocks). Nothing reads U's entries or the table's U marks
   // before the barrier below; a request that stops here reads none. The short path's phase B runs before that
-  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT.
+  // barrier too: it writes only shared memory, and a claimed mark that a claim finds is check 3's BAD_HOT. (The
+  // bucketed path's ran in phase A, whatever the checks find: what it wrote counts only for a request that passes.)
   bool ok = n > 0 && n <= H && hb_row[0] != 0;
   if (n > 0 && !ok && tid == 0) s_status |= HS_OVERFLOW;
   if (ok) {
@@ -654,6 +729,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       });
       if (hits > 0) atomicAdd(&s_hits, hits);
     }
+    if (s_full) bad |= s_dup != 0;  // the bucketed path's claims (phase A's)
     // Also orders phase A's entries and table marks before phase B's lookups (and, past HB_PAIRWISE, the bitmap's
     // last reads before tab is rebuilt); on the short path, phase B's claims and hit count before what follows.
     ok = !__syncthreads_or(bad);
@@ -661,11 +737,11 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   }
 
   // Phase B: hits. A slot holding a position of U claims the position's entry and sets its bit in bits; a second
-  // slot holding it is corrupt state (check 3). Phase A's table maps U already unless it gave way to windows or to
-  // the hot-block bitmap.
+  // slot holding it is corrupt state (check 3). Phase A's table maps U already unless it gave way to the hot-block
+  // bitmap. (The short paths claim in phase A and the checks.)
   int n_miss = 0;
-  if (ok && !fast) {
-    with_u_map(s_full || HB > HB_PAIRWISE, true, [&](auto find) {
+  if (ok && !fast && !s_full) {
+    with_u_map(HB > HB_PAIRWISE, true, [&](auto find) {
       int hits = 0;
       // Runs of 3: with 4 the probe loop's registers spill on sm_90 (benches/kernel_report.py).
       for_each_loaded<3>(hp, H, [&](int s, int pos) {
@@ -683,9 +759,11 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     ok = !s_dup;
     if (!ok && tid == 0) s_status |= HS_BAD_HOT;
   }
-  // The short path: done when everything hit; else phase A2 compacts U (in request order, a scan a round) into the
-  // entries as the long path's phase A does, each entry with its hit's slot, and makes the table map U to it.
-  const bool done = fast && ok && s_hits == n;
+  // The short paths: done when everything hit; else phase A2 compacts U (in request order, a scan a round) into the
+  // entries as the long path's phase A does, each entry with its hit's slot, (not bucketed) makes the table map U
+  // to it, and runs check 4 on the misses.
+  const bool done = (fast || s_full) && ok && s_hits == n;
+  int host = 0;  // check 4's flags of this thread's misses
   if (fast && ok && !done) {
     int t0 = 0;
     for (int r0 = 0, round = 0; r0 < count; r0 += ELEMENT_RUN * nt, ++round) {
@@ -701,15 +779,52 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
         const u32 h = table_find(tab, cap, pos);
         const u32 mark = (u32)tab[h];
         entry(t)[0] = u_word(pos, mark & CLAIM_BIT ? mark & ~(U_BIT | CLAIM_BIT) : HS_NONE);
+        if (!(mark & CLAIM_BIT)) host |= host_flags(pos);
         ((u32*)entry(t))[2] = (u32)q;
         tab[h] = table_entry(pos, U_BIT | (u32)t);
         ++t;
       }
       t0 += total;
     }
-    __syncthreads();  // the entries and the table's map of U are complete
+  } else if (s_full && ok && !done) {
+    // The first occurrences of U (out[gi] == q) move their entries (position and slot, from phase A) down to U's
+    // order: a round reads all its entries before its scan, and entry t <= q.
+    block_runs<u64, 4>(
+        count,
+        [&](int q) {
+          const u32 gi = (u32)rows[q / K] * (u32)K + (u32)(q % K);
+          const int pos = position(gi, true);
+          return pos >= 0 && block_of(pos) == 0 && out[gi] == q ? u_word(pos, ((u32*)entry((u32)q))[1]) : ~0ull;
+        },
+        [&](u64 word) { return word != ~0ull; },
+        [&](int q, u64 word, bool first, int t) {
+          if (!first) return;
+          entry((u32)t)[0] = word;
+          if (u_slot(word) == HS_NONE) host |= host_flags(u_pos(word));
+          ((u32*)entry((u32)t))[2] = (u32)q;
+        },
+        warp_sums, false);
   }
-  if (done) {
+  if ((fast || s_full) && ok && !done) {
+    if (host != 0) atomicOr(&s_host, host);
+    __syncthreads();  // the entries (and the table's map of U) and check 4's flags are complete
+  }
+  if (done && s_full) {
+    // The bucketed path, everything hit: as below, each element's slot from the entry of its first occurrence.
+    const i64 clock = s_clock + 1;
+    for_each_element(rows, n_rows, K, [&](u32 q, u32 gi, bool active) {
+      const int pos = position(gi, active);
+      const int block = pos >= 0 ? block_of(pos) : -1;
+      int row = block > 0 ? block * bs + pos % bs : -1;
+      if (block == 0) {  // only a first occurrence's entry has a slot; the others' out[gi] name theirs
+        u32 slot = ((const u32*)entry(q))[1];
+        if (slot != HS_NONE) hs[slot] = make_stamp(clock, q);
+        else slot = ((const u32*)entry((u32)out[gi]))[1];
+        row = hot_row(slot);
+      }
+      if (active) out[gi] = row;
+    });
+  } else if (done) {
     // The short path, everything hit: every element's row id, and each position's first occurrence stamps its
     // slot (the claim in its mark) with this step's clock and its own request index.
     const i64 clock = s_clock + 1;
@@ -726,18 +841,19 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
       out[gi] = row;
     });
   }
-  // Check 4: every miss's page has a host copy inside the pool. (s_hits is complete: phase B's barrier.)
+  // Check 4: every miss's page has a host copy inside the pool (the short paths' phase A2 checked as it went).
+  // (s_hits is complete: phase B's barrier.)
   if (ok) n_miss = n - s_hits;
   if (ok && n_miss > 0) {
-    int flags = 0;
-    for (int t = tid; t < n; t += nt) {
-      const u64 word = entry(t)[0];
-      if (u_slot(word) != HS_NONE) continue;
-      const int host_block = ht_row[u_pos(word) / bs];
-      flags |= host_block < 0 ? HS_NO_HOST_COPY : host_block >= host_blocks ? HS_BAD_TABLE : 0;
+    if (!fast && !s_full) {
+      int flags = 0;
+      for (int t = tid; t < n; t += nt) {
+        const u64 word = entry(t)[0];
+        if (u_slot(word) == HS_NONE) flags |= host_flags(u_pos(word));
+      }
+      if (flags != 0) atomicOr(&s_host, flags);
+      __syncthreads();
     }
-    if (flags != 0) atomicOr(&s_host, flags);
-    __syncthreads();
     ok = s_host == 0;
     if (!ok && tid == 0) s_status |= s_host;
   }
@@ -748,7 +864,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
     // the entries' word 1; out's entries of the request list the slots it ranks. Nothing without misses.
     if (n_miss > 0) {
       select_oldest(
-          hs, H, bits, n_miss, s_hist, warp_sums, s_range, &s_prefix, &s_left,
+          hs, H, bits, n_miss, s_full ? (u32*)tab : s_hist, warp_sums, s_range,
           [&](int c) -> int& { return out[(u32)rows[c / K] * (u32)K + (u32)(c % K)]; },
           [&](int m, u32 s) { ((u32*)entry((u32)m))[3] = s; });
     }
@@ -787,7 +903,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 1)
   }
   if (ok && !done) {
     // Phase F below rewrites the entries this reads: only then must every lookup be done first.
-    with_u_map(false, n_miss > 0, [&](auto find) {
+    with_u_map(s_full, n_miss > 0, [&](auto find) {
       for_each_element(rows, n_rows, K, [&](u32, u32 gi, bool active) {
         const int pos = position(gi, active);
         if (pos < 0 || block_of(pos) != 0) return;

@@ -511,6 +511,10 @@ def run_replay_plan(h: Harness, case: dict, plan: torch.Tensor, count: torch.Ten
 
 # ---------------------------------------------------------------------------------------------- case kinds
 
+# One request of 4 rows selecting about 4,500 distinct positions, every one cached (and selected more than once,
+# within and across rows): past MIN_TABLE's table, so the bucketed path's short path (everything hits).
+WIDE_HIT = {"S": 1, "R": 4, "P": 1024, "H": 8192, "K": 2048, "from_hot": True, "hot_fill": 1.0, "resident": 0.0,
+            "full_seq": True, "L": 1, "rb": 16, "G": 1}
 RESOLVE_KINDS: dict[str, dict] = {
     "mixed": {},
     "duplicates": {"dup": 0.8},
@@ -537,7 +541,7 @@ RESOLVE_KINDS: dict[str, dict] = {
     "mixed_h32768": {"S": 1, "R": 2, "P": 1024, "bs": 64, "H": 32768, "K": 2048, "rb": 16, "L": 1, "G": 1,
                      "hot_fill": 0.6, "resident": 0.2, "full_seq": True},
     # more distinct positions than the hash table takes (3/4 of its smallest size, 4096 entries, which a GPU
-    # short of shared memory leaves): windowed first occurrences
+    # short of shared memory leaves): bucketed first occurrences
     "wide_union": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "resident": 0.95, "dup": 0.0,
                    "full_seq": True, "L": 1, "rb": 16, "table": launch.MIN_TABLE},
     "wide_union_overflow": {"S": 1, "R": 4, "P": 1024, "H": 256, "K": 1024, "dup": 0.0, "full_seq": True,
@@ -546,11 +550,11 @@ RESOLVE_KINDS: dict[str, dict] = {
     "wide_selection_overlapping": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.3, "dup": 0.6,
                                    "full_seq": True, "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1,
                                    "table": launch.MIN_TABLE},
-    # ... and a U too large for the hash table that fits the hot region: windowed lookups of U as well
+    # ... and a U too large for the hash table that fits the hot region: bucketed lookups of U as well
     "wide_u": {"S": 1, "R": 4, "P": 1024, "H": 4096, "K": 1024, "resident": 0.0, "dup": 0.0, "full_seq": True,
                "hot_fill": 0.3, "L": 1, "rb": 16, "G": 1, "table": launch.MIN_TABLE},
     # requests flagged resident (SPEC.md) in one batch with requests that are not: the resident path, with
-    # several rows per request, and past the table (the windowed path keeps the flag's meaning)
+    # several rows per request, and past the table (the bucketed path keeps the flag's meaning)
     "resident_flag": {"flagged": 0.5},
     "resident_flag_speculative": {"flagged": 0.5, "rows_per_state": 2, "R": 8, "H": 1024, "dup": 0.5},
     "resident_flag_wide": {"S": 2, "R": 8, "P": 1024, "H": 256, "K": 1024, "resident": 0.9, "dup": 0.0,
@@ -839,47 +843,74 @@ def _hot_blocks_past_one_window(h: Harness, seed: int, preempt: float) -> None:
     run_resolve(h, case, group=0, seed=seed, preempt=preempt, expect=[(1, HS_BAD_HOT)])
 
 
-def _window_edges(u_windowed: bool):
-    """The windowed path (more distinct positions than resolve's table takes: windows of 2 * MIN_TABLE positions)
-    with positions on every window boundary: each boundary b and b - 1 selected, and resolve's batch rows
-    (shared memory just past the table) starting at batch row ``pad`` >= 1 (padding rows first), so that a window
-    that takes one position too many (index == window) reads or writes that array and changes what the request
-    resolves, on every seed.
+def _bucket_edges(variant: str):
+    """The bucketed path (more distinct positions than resolve's table takes: MIN_TABLE entries, so buckets of at
+    most 3/4 of that many positions, cut at the bins of the selection's 256-bin histogram) with a selected position
+    on every bucket edge: each bin's first position and the one before it, so that a bucket that takes the position
+    at its end, or skips the one at its start, changes the request's heat on every seed.
 
-    Without ``u_windowed``: U small (every page resident but those of half the boundaries), and the request's
-    first elements (q = 0 .. 3, so q == pad for one) select boundaries: windowed first occurrences. With it: U
-    past the table too (4,096 distinct misses and hits, H = 4,096), every boundary cached in some slot and
-    selected (after U's first four elements): windowed lookups of U."""
+    ``small_u``: U small (every page resident but those of eight bin edges): bucketed first occurrences.
+    ``large_u``: U past the table too (4,096 distinct misses and hits, H = 4,096), every edge cached in some slot:
+    bucketed claims and lookups of U. ``heavy``: as ``large_u`` at 1M tokens, where a bin (4,096 positions) may
+    hold more distinct positions than a bucket takes: one bin holds 3,300 selected positions and goes in ranges of
+    3/4 of MIN_TABLE positions, the edge between them selected too."""
 
     def run(h: Harness, seed: int, preempt: float) -> None:
         rng = random.Random(seed)
-        pad = rng.randint(1, 3)
-        K, bs, P = 1024, 16, 4096
-        H = 4096 if u_windowed else 256
-        case = make_case(seed, S=1, R=pad + 4, P=P, bs=bs, G=1, H=H, K=K, L=1, rb=16, dup=0.0, full_seq=True,
-                         hot_fill=0.3, resident=0.0 if u_windowed else 1.0)
+        K = 1024
+        bs, P = (256, 4096) if variant == "heavy" else (16, 4096)
+        H = 256 if variant == "small_u" else 4096
+        case = make_case(seed, S=1, R=4, P=P, bs=bs, G=1, H=H, K=K, L=1, rb=16, dup=0.0, full_seq=True,
+                         hot_fill=0.3, resident=1.0 if variant == "small_u" else 0.0)
         length = P * bs
-        window = 2 * launch.MIN_TABLE
-        bounds = list(range(window, length, window))
-        edges = sorted({*bounds, *(b - 1 for b in bounds)})
-        others = rng.sample([x for x in range(length) if x not in set(edges)], 4 * K - len(edges))
-        if u_windowed:
-            picked = others[:4] + rng.sample(edges + others[4:], len(edges) + len(others) - 4)
-            cached = set(case["hot_pos"][0, 0].tolist())
-            free = [s for s in range(H) if int(case["hot_pos"][0, 0, s]) not in set(edges)]
-            for b, slot in zip([b for b in edges if b not in cached], rng.sample(free, len(edges)), strict=False):
-                case["hot_pos"][0, 0, slot] = b
-        else:
-            first = rng.sample(bounds, 4)
-            rest = [x for x in edges if x not in first] + others
-            picked = first + rng.sample(rest, len(rest))
-            for b in rng.sample(bounds, len(bounds) // 2):
+        width = 1 << max(0, (length - 1).bit_length() - 8)  # resolve's bins
+        starts = list(range(width, length, width))
+        edges = {*starts, *(b - 1 for b in starts)}
+        if variant == "heavy":
+            b, limit = rng.choice(starts[:-1]), launch.MIN_TABLE - launch.MIN_TABLE // 4
+            edges |= {b + limit - 1, b + limit}
+            inside = [x for x in range(b, b + width) if x not in edges]
+            edges |= set(rng.sample(inside, 3300 - (width - len(inside))))
+        picked = set(edges)
+        while len(picked) < 4 * K:
+            picked.add(rng.randrange(length))
+        if variant == "small_u":
+            for b in rng.sample(starts, 8):
                 case["block_table"][0, b // bs] = 0
                 case["block_table"][0, (b - 1) // bs] = 0
-        case["row_state"] = torch.tensor([-rng.randint(1, 3)] * pad + [0] * 4, dtype=torch.int32)
-        case["topk"] = torch.full((pad + 4, K), -1, dtype=torch.int32)
-        case["topk"][pad:] = torch.tensor(picked, dtype=torch.int32).view(4, K)
+        else:
+            cached = set(case["hot_pos"][0, 0].tolist())
+            free = [s for s in range(H) if int(case["hot_pos"][0, 0, s]) not in edges]
+            uncached = [x for x in sorted(edges) if x not in cached]
+            for x, slot in zip(uncached, rng.sample(free, len(uncached)), strict=True):
+                case["hot_pos"][0, 0, slot] = x
+        case["row_state"] = torch.zeros(4, dtype=torch.int32)
+        case["topk"] = torch.tensor(rng.sample(sorted(picked), 4 * K), dtype=torch.int32).view(4, K)
         run_resolve(h, case, group=0, seed=seed, preempt=preempt, max_smem=table_smem(launch.MIN_TABLE, case))
+
+    return run
+
+
+def _wide_hit(h: Harness, seed: int, preempt: float) -> None:
+    """``WIDE_HIT``: the bucketed path's short path, everything hit; the request's rows after one or two padding
+    rows, so that its request indices (the stamps' low halves) differ from its batch rows' element indices."""
+    rng = random.Random(seed)
+    pad = rng.randint(1, 2)
+    case = make_case(seed, **{**WIDE_HIT, "R": 4 + pad})
+    case["row_state"][:pad] = -1
+    run_resolve(h, case, group=0, seed=seed, preempt=preempt, max_smem=table_smem(launch.MIN_TABLE, case))
+
+
+def _wide_corrupt(what: str):
+    """A corruption (``corrupt``) of a request on the bucketed path, whose phase A flags bad blocks and finds a
+    position held by two slots itself."""
+
+    def run(h: Harness, seed: int, preempt: float) -> None:
+        rng = random.Random(seed)
+        case = make_case(seed, **{**WIDE_HIT, "hot_fill": 0.5, "resident": 0.1, "from_hot": False})
+        hit = corrupt(case, what, rng, 0)
+        run_resolve(h, case, group=0, seed=seed, preempt=preempt, max_smem=table_smem(launch.MIN_TABLE, case),
+                    expect=[hit])
 
     return run
 
@@ -946,8 +977,12 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "bounds_resolve": _bounds_resolve,
     "bounds_invalidate": _bounds_invalidate,
     "hot_blocks_past_one_window": _hot_blocks_past_one_window,
-    "window_edges": _window_edges(False),
-    "window_edges_u": _window_edges(True),
+    "bucket_edges": _bucket_edges("small_u"),
+    "bucket_edges_u": _bucket_edges("large_u"),
+    "bucket_edges_heavy": _bucket_edges("heavy"),
+    "wide_hit": _wide_hit,
+    "wide_hot_pos_twice": _wide_corrupt("hot_pos_twice"),
+    "wide_bad_block": _wide_corrupt("block"),
     "bad_state_rows": _bad_state_rows,
     "sequence": _sequence,
     "replay_layers": _replay_layers,
@@ -959,6 +994,9 @@ _ALL_KINDS: dict[str, Callable[[Harness, int, float], None]] = {
     "resident_flag_barriers": _resident_flag_barriers,
     "gather": _gather,
     "resident_flag_one_bad": _resident_flag_one_bad,
+    # no_host_copy on the long path (hot regions past HB_PAIRWISE blocks), whose check 4 is a pass of its own (the
+    # short paths' phase A2 checks as it goes)
+    "no_host_copy_long": _resolve_kind({"no_host": 0.05, "H": 1100, "bs": 4, "P": 512, "hot_fill": 0.1}),
 }
 # The suite's order: first one kind for each part of the kernels (a mutant usually fails in these), then the rest.
 FIRST = ("mixed", "sequence", "wide_u", "wide_union", "hits_without_host", "invalidate", "replay_layers",

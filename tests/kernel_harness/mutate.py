@@ -3,8 +3,8 @@
 - every ``__syncthreads();`` removed in turn;
 - every ``__syncthreads_or(x)`` replaced by the thread's own ``(x)`` (no barrier, no block-wide OR);
 - ``SEMANTIC``: each bound the kernels check moved by one (``>=`` to ``>``...), the hot-block checks undone, the
-  windowed path's windows one position too wide, atomics on shared global words made plain ``+=``, and the LRU's
-  stamps misordered, misselected or miswritten.
+  bucketed path's buckets one position too wide or too narrow and its claims and entries miswritten, atomics on
+  shared global words made plain ``+=``, and the LRU's stamps misordered, misselected or miswritten.
 
 A mutant the suite does not catch is a barrier whose removal the harness cannot see (the barrier is not needed,
 or the suite misses a case), a bound that no case draws at its exact value, or a race the harness's race check
@@ -89,15 +89,19 @@ SEMANTIC = [
      "resolve checks the first window of hot blocks only"),
     ("resolve.cu", "host_block >= host_blocks ? HS_BAD_TABLE", "host_block > host_blocks ? HS_BAD_TABLE",
      "resolve takes host block == host_blocks"),
-    # A window of the windowed path that takes one position too many (the first of the next window).
-    ("resolve.cu", "(u32)pos - w < window) atomicMin", "(u32)pos - w <= window) atomicMin",
-     "windowed first occurrences record position == window end"),
-    ("resolve.cu", "(u32)pos - w < window && first_at", "(u32)pos - w <= window && first_at",
-     "windowed first occurrences test position == window end"),
-    ("resolve.cu", "if ((u32)pos - w < window) index_at", "if ((u32)pos - w <= window) index_at",
-     "windowed U lookups record position == window end"),
-    ("resolve.cu", "(u32)pos - w < window ? index_at", "(u32)pos - w <= window ? index_at",
-     "windowed U lookups find position == window end"),
+    # The bucketed path (more distinct positions than the table takes): a bucket that takes the position at its end
+    # (the next bucket's first) or skips the one at its start; a second slot's claim of a position let through; an
+    # entry that keeps the slot of the last step's plan for a miss; a resident position claimed as a hit.
+    ("resolve.cu", "return (u32)pos - lo < hi - lo;", "return (u32)pos - lo <= hi - lo;",
+     "a bucket takes the position at its end"),
+    ("resolve.cu", "lo < (u32)len; lo = hi)", "lo < (u32)len; lo = hi + 1)",
+     "a bucket skips the position at its start"),
+    ("resolve.cu", "if (s_full) bad |= s_dup != 0;", "if (false) bad |= s_dup != 0;",
+     "the bucketed path lets a second slot take a claimed position"),
+    ("resolve.cu", "if (claim) ((u32*)entry(q))[1] = HS_NONE;", "",
+     "the bucketed path takes the last plan's word for a miss's slot"),
+    ("resolve.cu", "if (h == HS_NONE || block_of(pos) != 0) return;", "if (h == HS_NONE) return;",
+     "the bucketed path's claims take a resident position for a hit"),
     # Plain read-modify-writes where threads (heat) or CTAs (counters) share a word: the fibers never interleave
     # inside one, so only the harness's race check on global memory sees them.
     ("resolve.cu", "atomicAdd(&heat_row[page], __popc(peers));", "heat_row[page] += __popc(peers);",
@@ -110,8 +114,12 @@ SEMANTIC = [
     ("resolve.cu", "return (u64)stamp ^ (1ull << 63);", "return (u64)stamp;",
      "resolve's LRU select orders stamps as unsigned (negative ones last)"),
     ("resolve.cu", "int left = count;", "int left = count + 1;", "resolve's LRU select takes the |M| + 1-th oldest"),
-    ("resolve.cu", "make_stamp(clock, q);", "make_stamp(clock, gi);",
+    ("resolve.cu", "(firsts & u_bit) hs[slot] = make_stamp(clock, q);",
+     "(firsts & u_bit) hs[slot] = make_stamp(clock, gi);",
      "resolve's short path stamps with the batch-row index (gi), not the request's (q)"),
+    ("resolve.cu", "(slot != HS_NONE) hs[slot] = make_stamp(clock, q);",
+     "(slot != HS_NONE) hs[slot] = make_stamp(clock, gi);",
+     "resolve's bucketed short path stamps with the batch-row index (gi), not the request's (q)"),
     ("resolve.cu", "hot_clock[(i64)r * G + g] = s_clock + 1;", "hot_clock[(i64)r * G + g] = s_clock;",
      "resolve leaves the region's clock where it was"),
     ("resolve.cu", "if (!((u32)mark & CLAIM_BIT) && atomicCAS", "if (atomicCAS",
