@@ -22,7 +22,7 @@ def markdown(kernels: list[dict], shared: list[dict]) -> str:
             f"{cells[a]['registers']} regs, {cells[a]['spill_stores'] + cells[a]['spill_loads']} B spilled"
             for a in COMPILED_ARCHS) + " |")
     lines += ["", "resolve's shared memory in KiB (static + dynamic), top_k 2048, 128 requests of `rows/req` batch "
-              "rows each; * = the table is smaller than the selection asks (the rest takes the exact windowed path)",
+              "rows each; * = the table is smaller than the selection asks (resolved bucket by bucket)",
               "",
               "| H | rows/req | " + " | ".join(f"{a} (limit {launch.smem_limit(a) // 1024})" for a in COMPILED_ARCHS)
               + " |", "|---|---|" + "---|" * len(COMPILED_ARCHS)]

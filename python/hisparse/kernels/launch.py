@@ -89,8 +89,8 @@ def resolve_shared(*, top_k: int, hot_rows: int, batch_rows: int, rows_per_reque
                    limit: int) -> ResolveShared:
     """resolve's shared memory: a hash table sized by the selection (``top_k x rows_per_request``, the rows
     one request resolves together), the batch rows of a request, and one bit per hot slot. A request that
-    selects more distinct positions than the table takes is still resolved exactly, on a slower windowed
-    path; so the table shrinks to what ``limit`` (bytes per CTA) leaves, down to ``MIN_TABLE`` entries.
+    selects more distinct positions than the table takes is still resolved exactly, bucket by bucket of
+    positions; so the table shrinks to what ``limit`` (bytes per CTA) leaves, down to ``MIN_TABLE`` entries.
     Raises ConfigError when not even that fits.
     """
     _positive(top_k=top_k, hot_rows=hot_rows, batch_rows=batch_rows, rows_per_request=rows_per_request)
