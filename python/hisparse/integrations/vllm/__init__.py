@@ -41,6 +41,8 @@ per-step scans run by the Rust core over its record of vLLM's block rows, ``Bloc
   peak (no region is counted for a request too short ever to take one). vLLM counts released pages as free,
   admits against them, and then preempts running requests. Once one request waits, the rest of the queue
   waits behind it, so vLLM's first-come, first-served order holds.
+- what a short request admitted on a prefix hit reads from: its whole prefix restored to resident pages
+  (``restore.py``), where vLLM gives any prefix hit a hot region, two thirds of a 1 GiB GLM-5.3 pool.
 
 Everything else is vLLM's and keeps working on its defaults: async scheduling, prefix caching on GPU and
 host-only prefixes, preemption, MTP lookahead, TP > 1 (the metadata is vLLM's dataclasses, plus a heat
