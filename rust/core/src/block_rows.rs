@@ -7,6 +7,11 @@
 //!
 //! A row that was never reported is empty: vLLM's scans treat a request with no row the way they treat an
 //! empty one (no page of it is mirrored or resident), so the two need not be told apart.
+//!
+//! Most steps change nothing in the engine's own per-request bookkeeping (a decode within its last page),
+//! which it can only tell by reading that state. It marks such a request quiet below some token count
+//! ([`BlockRows::quiet`]); a change of any of its rows wakes it, and [`BlockRows::busy`] sorts a batch, so
+//! the engine reads its state for the few requests that are not quiet.
 
 use std::collections::HashMap;
 
@@ -58,6 +63,8 @@ fn count_host_only(ids: &[u32]) -> usize {
 struct Rows {
     resident: Vec<Blocks>,
     host: Blocks,
+    /// A step ending below this many tokens needs none of the engine's bookkeeping (0: any step may).
+    quiet_below: u64,
 }
 
 /// A contiguous span of one page's rows to copy from the resident groups to the host (vLLM's
@@ -107,32 +114,42 @@ impl BlockRows {
         self.requests.is_empty()
     }
 
-    fn blocks_mut(&mut self, request: &str, row: Row) -> Result<&mut Blocks> {
+    /// A row to change, and the quiet mark the change clears once made.
+    fn blocks_mut(&mut self, request: &str, row: Row) -> Result<(&mut Blocks, &mut u64)> {
         if let Row::Resident(group) = row {
             if group >= self.groups {
                 return invalid(format!("resident group {group} out of range: there are {}", self.groups));
             }
         }
         let groups = self.groups;
-        let rows = self
-            .requests
-            .entry(request.to_owned())
-            .or_insert_with(|| Rows { resident: vec![Blocks::default(); groups], host: Blocks::default() });
-        Ok(match row {
-            Row::Resident(group) => &mut rows.resident[group],
-            Row::Host => &mut rows.host,
-        })
+        let Rows { resident, host, quiet_below } =
+            self.requests.entry(request.to_owned()).or_insert_with(|| Rows {
+                resident: vec![Blocks::default(); groups],
+                host: Blocks::default(),
+                quiet_below: 0,
+            });
+        Ok((
+            match row {
+                Row::Resident(group) => &mut resident[group],
+                Row::Host => host,
+            },
+            quiet_below,
+        ))
     }
 
     /// Replaces a row whole (after a change that may touch any of its pages: an admission, an import).
     pub fn set(&mut self, request: &str, row: Row, ids: Vec<u32>) -> Result<()> {
-        self.blocks_mut(request, row)?.set(ids);
+        let (blocks, quiet_below) = self.blocks_mut(request, row)?;
+        blocks.set(ids);
+        *quiet_below = 0;
         Ok(())
     }
 
     /// Appends pages to a row (the blocks an allocation added).
     pub fn extend(&mut self, request: &str, row: Row, ids: &[u32]) -> Result<()> {
-        self.blocks_mut(request, row)?.extend(ids);
+        let (blocks, quiet_below) = self.blocks_mut(request, row)?;
+        blocks.extend(ids);
+        *quiet_below = 0;
         Ok(())
     }
 
@@ -141,17 +158,40 @@ impl BlockRows {
         if !self.requests.contains_key(request) {
             return invalid(format!("request {request:?} has no rows"));
         }
-        self.blocks_mut(request, row)?.set_page(page, id)
+        let (blocks, quiet_below) = self.blocks_mut(request, row)?;
+        blocks.set_page(page, id)?;
+        *quiet_below = 0;
+        Ok(())
     }
 
     /// A row was given back (its request freed or preempted); a request with no row left is forgotten.
     pub fn clear(&mut self, request: &str, row: Row) -> Result<()> {
-        self.blocks_mut(request, row)?.set(Vec::new());
+        self.set(request, row, Vec::new())?;
         let rows = &self.requests[request];
         if rows.host.ids.is_empty() && rows.resident.iter().all(|b| b.ids.is_empty()) {
             self.requests.remove(request);
         }
         Ok(())
+    }
+
+    /// The engine found that `request`'s steps ending below `tokens` need none of its bookkeeping, as long as
+    /// its rows do not change (a change of any of them wakes it); a request with no rows is never quiet.
+    pub fn quiet(&mut self, request: &str, tokens: u64) {
+        if let Some(rows) = self.requests.get_mut(request) {
+            rows.quiet_below = tokens;
+        }
+    }
+
+    /// Something outside the rows changed what `request`'s next step needs: it is no longer quiet.
+    pub fn wake(&mut self, request: &str) {
+        self.quiet(request, 0);
+    }
+
+    /// Whether a step of `request` ending at `tokens` may need the engine's bookkeeping (not [`quiet`]).
+    ///
+    /// [`quiet`]: BlockRows::quiet
+    pub fn busy(&self, request: &str, tokens: u64) -> bool {
+        self.requests.get(request).map_or(true, |rows| tokens >= rows.quiet_below)
     }
 
     /// Forgets every row (the engine's pools were reset).
@@ -292,6 +332,24 @@ mod tests {
         assert!(rows.row("a", Row::Resident(0)).is_empty());
         rows.clear("a", Row::Host).unwrap();
         assert!(rows.is_empty());
+    }
+
+    #[test]
+    fn a_quiet_request_wakes_when_a_row_changes_or_its_step_reaches_the_bound() {
+        let mut rows = rows();
+        assert!(rows.busy("a", 10), "not marked yet");
+        rows.quiet("a", 12);
+        assert!(!rows.busy("a", 11) && rows.busy("a", 12));
+        rows.extend("a", Row::Host, &[33]).unwrap();
+        assert!(rows.busy("a", 11), "a row grew");
+        rows.quiet("a", 12);
+        rows.set_page("a", Row::Resident(1), 0, HOST_ONLY).unwrap();
+        assert!(rows.busy("a", 11), "a page was lost");
+        rows.quiet("a", 12);
+        rows.wake("a");
+        assert!(rows.busy("a", 11));
+        rows.quiet("never-seen", 100);
+        assert!(rows.busy("never-seen", 0) && rows.len() == 1, "no rows: never quiet, nothing recorded");
     }
 
     #[test]
