@@ -83,6 +83,8 @@ pub struct BlockRows {
     groups: usize,
     block_size: u32,
     requests: HashMap<String, Rows>,
+    /// Row changes so far: the engine tells whether any row changed between two of its calls.
+    changes: u64,
 }
 
 impl BlockRows {
@@ -94,7 +96,7 @@ impl BlockRows {
                                     groups of {block_size}"
             ));
         }
-        Ok(Self { groups, block_size, requests: HashMap::new() })
+        Ok(Self { groups, block_size, requests: HashMap::new(), changes: 0 })
     }
 
     pub fn groups(&self) -> usize {
@@ -103,6 +105,11 @@ impl BlockRows {
 
     pub fn block_size(&self) -> u32 {
         self.block_size
+    }
+
+    /// How many times a row has changed (a count that only grows).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Requests with any row.
@@ -142,6 +149,7 @@ impl BlockRows {
         let (blocks, quiet_below) = self.blocks_mut(request, row)?;
         blocks.set(ids);
         *quiet_below = 0;
+        self.changes += 1;
         Ok(())
     }
 
@@ -150,6 +158,7 @@ impl BlockRows {
         let (blocks, quiet_below) = self.blocks_mut(request, row)?;
         blocks.extend(ids);
         *quiet_below = 0;
+        self.changes += 1;
         Ok(())
     }
 
@@ -161,6 +170,7 @@ impl BlockRows {
         let (blocks, quiet_below) = self.blocks_mut(request, row)?;
         blocks.set_page(page, id)?;
         *quiet_below = 0;
+        self.changes += 1;
         Ok(())
     }
 
@@ -197,6 +207,7 @@ impl BlockRows {
     /// Forgets every row (the engine's pools were reset).
     pub fn clear_all(&mut self) {
         self.requests.clear();
+        self.changes += 1;
     }
 
     /// A row as recorded; empty when never reported.
@@ -346,8 +357,9 @@ mod tests {
         rows.set_page("a", Row::Resident(1), 0, HOST_ONLY).unwrap();
         assert!(rows.busy("a", 11), "a page was lost");
         rows.quiet("a", 12);
+        let changes = rows.changes();
         rows.wake("a");
-        assert!(rows.busy("a", 11));
+        assert!(rows.busy("a", 11) && rows.changes() == changes, "a wake is not a row change");
         rows.quiet("never-seen", 100);
         assert!(rows.busy("never-seen", 0) && rows.len() == 1, "no rows: never quiet, nothing recorded");
     }

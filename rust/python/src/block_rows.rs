@@ -117,26 +117,6 @@ impl BlockRows {
         ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
     }
 
-    /// The scheduled requests (``scheduled``: request -> tokens this step; ``computed``: request -> tokens
-    /// computed before it) whose step may need the engine's bookkeeping: those not marked quiet below the
-    /// step's end (``quiet``), in ``scheduled``'s order.
-    fn busy<'py>(
-        &self,
-        py: Python<'py>,
-        scheduled: &Bound<'py, PyDict>,
-        computed: &Bound<'py, PyDict>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        let out = PyList::empty(py);
-        self.with(|rows| {
-            for (request, count, start) in steps(scheduled, computed)? {
-                if rows.busy(request.to_str()?, start.saturating_add(count)) {
-                    out.append(request)?;
-                }
-            }
-            Ok(out)
-        })
-    }
-
     /// ``request`` needs no bookkeeping in a step ending below ``tokens`` until one of its rows changes or it
     /// is woken (the core's ``BlockRows::quiet``).
     fn quiet(&self, request: &str, tokens: u64) {
@@ -148,15 +128,23 @@ impl BlockRows {
         self.with(|r| r.wake(request));
     }
 
-    /// vLLM's per-step views of the scheduled requests (``scheduled``, ``computed`` as for ``busy``): each
-    /// one's row mirrors (the core's ``BlockRows::mirrors`` over the step's rows, from ``back[request]`` rows
-    /// before them when ``back`` is given, through ``lookahead`` rows after), as a dict of request id to a
-    /// tuple of ``cls`` (vLLM's ``SparseKVRowMirror``, a frozen dataclass of ``source_starts``,
-    /// ``destination_start`` and ``num_rows``), and whether every one reads only resident pages. The mirrors
-    /// are made as unpickling makes them, ``object.__new__`` and each field set past the frozen
+    /// How many times a row has changed: whether any did between two calls.
+    #[getter]
+    fn changes(&self) -> u64 {
+        self.with(|r| r.changes())
+    }
+
+    /// vLLM's per-step views of the scheduled requests (``scheduled``: request -> tokens this step;
+    /// ``computed``: request -> tokens computed before it), in one pass: each one's row mirrors (the core's
+    /// ``BlockRows::mirrors`` over the step's rows, from ``back[request]`` rows before them when ``back`` is
+    /// given, through ``lookahead`` rows after), as a dict of request id to a tuple of ``cls`` (vLLM's
+    /// ``SparseKVRowMirror``, a frozen dataclass of ``source_starts``, ``destination_start`` and
+    /// ``num_rows``); whether every one reads only resident pages; and, in ``scheduled``'s order, those whose
+    /// step may need the engine's bookkeeping: not marked quiet below the step's end (``quiet``). The
+    /// mirrors are made as unpickling makes them, ``object.__new__`` and each field set past the frozen
     /// ``__setattr__``: the dataclass's ``__init__`` alone costs more than the scan. One new row per request
     /// per decode step, so the scan is a lookup per request: the GIL is kept, and the request ids are read
-    /// in place and reused as the dict's keys (their hashes cached), not copied.
+    /// in place and reused as the dict's keys and the list's items (their hashes cached), not copied.
     #[pyo3(signature = (scheduled, computed, cls, lookahead=0, back=None))]
     fn scan<'py>(
         &self,
@@ -166,7 +154,7 @@ impl BlockRows {
         cls: &Bound<'py, PyType>,
         lookahead: u64,
         back: Option<&Bound<'py, PyDict>>,
-    ) -> PyResult<(Bound<'py, PyDict>, bool)> {
+    ) -> PyResult<(Bound<'py, PyDict>, bool, Bound<'py, PyList>)> {
         let new = py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?;
         let fields =
             [intern!(py, "source_starts"), intern!(py, "destination_start"), intern!(py, "num_rows")];
@@ -188,6 +176,7 @@ impl BlockRows {
             Ok(mirror)
         };
         let out = PyDict::new(py);
+        let busy = PyList::empty(py);
         let mut resident = true;
         self.with(|rows| {
             for (request, count, start) in steps(scheduled, computed)? {
@@ -199,10 +188,14 @@ impl BlockRows {
                 let window = count.saturating_add(start - first).saturating_add(lookahead);
                 let made =
                     rows.mirrors(name, first, window).into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
-                resident = resident && rows.all_resident(name, start.saturating_add(count));
+                let end = start.saturating_add(count);
+                resident = resident && rows.all_resident(name, end);
+                if rows.busy(name, end) {
+                    busy.append(&request)?;
+                }
                 out.set_item(request, PyTuple::new(py, made)?)?;
             }
-            Ok((out, resident))
+            Ok((out, resident, busy))
         })
     }
 

@@ -13,8 +13,9 @@ connector rescans every scheduled request's rows in Python every step (``build_r
   the whole batch in one call;
 - the scans that read vLLM's per-request state skip requests whose step changes nothing: the core keeps
   a request found to need none of them until it seals a page quiet (``settle``) until one of its rows
-  changes or an event wakes it, and sorts each step's batch in one call (``busy``), so a decode within its
-  last page is not read in Python at all; ``publish_when_ready`` remembers a request steady within its page.
+  changes or an event wakes it, and sorts each step's batch in the call that mirrors it (``scan``), so a
+  decode within its last page is not read in Python at all; ``publish_when_ready`` remembers a request
+  steady within its page.
 
 ``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
 and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
@@ -189,7 +190,7 @@ class Bookkeeping(HiSparseCoordinator):
         for request_id in held:
             # A quiet mark is sound: no higher than settle would set it now (0 when not quiet).
             below = self._quiet_below(request_id)
-            if not self.rows.busy({request_id: 0}, {request_id: below}):
+            if not self.rows.scan({request_id: 0}, {request_id: below}, SparseKVRowMirror)[2]:
                 raise InvariantError(f"request {request_id!r} is marked quiet past {below} tokens")
 
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
@@ -257,12 +258,6 @@ class Bookkeeping(HiSparseCoordinator):
                 out.append((request_id, num_tokens))
         return out
 
-    def busy(self, scheduled: dict[str, int], computed: dict[str, int]) -> list[str]:
-        """The scheduled requests (request -> tokens this step, request -> tokens computed before it) that may
-        have per-request bookkeeping to do this step, in their order: all but those :meth:`settle` found quiet
-        below the step's end, whose rows have not changed since (one core call)."""
-        return self.rows.busy(scheduled, computed)
-
     def settle(self, request_ids) -> None:
         """Marks quiet in the core each of these requests (given this step's bookkeeping) that needs no more of
         it, neither ``advance_scheduled`` (:meth:`with_residency_work`) nor ``take_residency_updates``, in the
@@ -291,13 +286,16 @@ class Bookkeeping(HiSparseCoordinator):
         return (state.ready_prefix_pages + 1) * self.host_manager.block_size + self.num_reprefillable_tokens
 
     def scan(self, scheduled: dict[str, int], computed: dict[str, int], lookahead: int = 0,
-             back: dict[str, int] | None = None) -> tuple[dict[str, tuple[SparseKVRowMirror, ...]], bool]:
-        """vLLM's ``build_row_mirrors`` of each scheduled request on its own (over its step's rows, from
-        ``back[request]`` rows before them, through ``lookahead`` after) and ``all_context_pages_resident``
-        (``coordinator.py:676``: every one has the blocks of its context and reads only resident pages), in
-        one core call over the recorded rows, which count their pages read from the host."""
+             back: dict[str, int] | None = None) -> tuple[dict[str, tuple[SparseKVRowMirror, ...]], bool, list[str]]:
+        """One core call over the scheduled requests (request -> tokens this step, request -> tokens computed
+        before it) and the recorded rows, which count their pages read from the host: vLLM's
+        ``build_row_mirrors`` of each on its own (over its step's rows, from ``back[request]`` rows before
+        them, through ``lookahead`` after), ``all_context_pages_resident`` (``coordinator.py:676``: every one
+        has the blocks of its context and reads only resident pages), and those that may have per-request
+        bookkeeping to do this step, in their order: all but those :meth:`settle` found quiet below the step's
+        end, whose rows have not changed since."""
         if self._recorder is None:
-            return {request_id: () for request_id in scheduled}, False
+            return {request_id: () for request_id in scheduled}, False, list(scheduled)
         return self.rows.scan(scheduled, computed, SparseKVRowMirror, lookahead, back)
 
     def take_residency_updates(self, request_ids):

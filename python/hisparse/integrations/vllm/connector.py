@@ -241,8 +241,13 @@ class HiSparseConnector(VllmHiSparseConnector):
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         scheduled = scheduler_output.num_scheduled_tokens
         requests = scheduler.requests
-        # Only the requests not quiet in the core (``Bookkeeping.settle``) are read in Python.
-        busy = coordinator.busy(scheduled, computed)
+        # Rows of unverified drafts are rewritten: mirror them again.
+        back = ({rid: requests[rid].num_output_placeholders for rid in scheduled}
+                if scheduler.async_speculative else None)
+        # vLLM's views come after advance_scheduled, which changes rows only when it adopts GPU copies: then
+        # they are taken again. Only the requests not quiet in the core (``Bookkeeping.settle``) are read here.
+        row_mirrors, resident, busy = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
+        changes = coordinator.rows.changes
         coordinator.advance_scheduled(coordinator.with_residency_work(
             [(rid, min(computed[rid] + scheduled[rid], requests[rid].num_tokens)) for rid in busy]))
         command = coordinator.build_offload_command()
@@ -252,10 +257,8 @@ class HiSparseConnector(VllmHiSparseConnector):
         for new_block_ids in cached.new_block_ids:
             if new_block_ids is not None:
                 source_block_ids.extend(new_block_ids[source_group])
-        # Rows of unverified drafts are rewritten: mirror them again.
-        back = ({rid: requests[rid].num_output_placeholders for rid in scheduled}
-                if scheduler.async_speculative else None)
-        row_mirrors, resident = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
+        if coordinator.rows.changes != changes:
+            row_mirrors, resident, _ = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
         imports = coordinator._pending_imports
         started = []
         if imports:  # usually none: then no request can have started with one pending
