@@ -102,12 +102,14 @@ impl BlockRows {
 
     /// A row as recorded (``None``: read from the host); empty when never reported.
     fn row(&self, request: &str, group: Option<usize>) -> Vec<Option<u32>> {
-        self.with(|r| r.row(request, row(group)).iter().map(|&id| (id != HOST_ONLY).then_some(id)).collect())
+        self.with(|r| {
+            r.row(request, row(group)).into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
+        })
     }
 
     /// How many pages a row holds (``len(row(...))`` without building the row).
     fn row_len(&self, request: &str, group: Option<usize>) -> usize {
-        self.with(|r| r.row(request, row(group)).len())
+        self.with(|r| r.row_len(request, row(group)))
     }
 
     /// Every resident group's block of each page, page by page (``len(pages) x groups`` ids, ``None`` where a
