@@ -80,7 +80,8 @@ def test_pool_policy_takes_the_cores_heat_summary():
 
 def test_block_rows_mirror_what_vllms_scan_mirrors():
     """``BlockRows`` (the core's record of vLLM's rows): mirrors as vLLM's ``build_row_mirrors`` makes them, its
-    own dataclass, equal and pickling alike; pages read from the host counted; bad records refused whole."""
+    own dataclass, equal and pickling alike; pages read from the host counted; quiet requests left out of the
+    busy ones until a row changes; bad records refused whole."""
     import pickle
 
     from vllm.v1.hisparse.types import SparseKVRowMirror
@@ -89,14 +90,27 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     rows.set("a", 0, [10, 11, None])
     rows.set("a", 1, [20, 21, 22])
     rows.extend("a", None, [30, 31, 32])
-    got = rows.mirrors([("a", 3, 6), ("b", 0, 4)], SparseKVRowMirror)
+    # rows 3 .. 9 of a (from 2 rows back, through 1 past the step), 0 .. 4 of b.
+    got, resident, busy = rows.scan({"a": 4, "b": 4}, {"a": 5, "b": 0}, SparseKVRowMirror, 1, {"a": 2, "b": 0})
     # Page 2 is read from the host in group 0: skipped, its neighbours mirrored.
     assert got == {"a": (SparseKVRowMirror((43, 83), 123, 1), SparseKVRowMirror((44, 84), 124, 4)), "b": ()}
+    assert list(got) == ["a", "b"] and not resident and busy == ["a", "b"]
     mirror = got["a"][0]
     assert pickle.loads(pickle.dumps(mirror)) == mirror and hash(mirror) == hash(SparseKVRowMirror((43, 83), 123, 1))
-    assert not rows.all_resident([("a", 4)])
+    changes = rows.changes
     rows.set_page("a", 0, 2, 12)
-    assert rows.all_resident([("a", 12)]) and not rows.all_resident([("a", 12), ("a", 13)])
+    assert rows.changes > changes and rows.scan({"a": 1}, {"a": 11}, SparseKVRowMirror)[1]
+    assert not rows.scan({"a": 1, "b": 0}, {"a": 12, "b": 0}, SparseKVRowMirror)[1]
+
+    def busy(scheduled, computed):
+        return rows.scan(scheduled, computed, SparseKVRowMirror)[2]
+
+    rows.quiet("a", 12)
+    assert busy({"a": 1, "b": 1}, {"a": 10, "b": 0}) == ["b"] and busy({"a": 2}, {"a": 10}) == ["a"]
+    rows.extend("a", None, [33])
+    assert busy({"a": 1}, {"a": 10}) == ["a"]
+    with pytest.raises(KeyError):
+        busy({"a": 1}, {})
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
     for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
                 lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):

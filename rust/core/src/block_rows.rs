@@ -7,6 +7,11 @@
 //!
 //! A row that was never reported is empty: vLLM's scans treat a request with no row the way they treat an
 //! empty one (no page of it is mirrored or resident), so the two need not be told apart.
+//!
+//! Most steps change nothing in the engine's own per-request bookkeeping (a decode within its last page),
+//! which it can only tell by reading that state. It marks such a request quiet below some token count
+//! ([`BlockRows::quiet`]); a change of any of its rows wakes it, and [`BlockRows::busy`] sorts a batch, so
+//! the engine reads its state for the few requests that are not quiet.
 
 use std::collections::HashMap;
 
@@ -22,42 +27,74 @@ pub enum Row {
     Host,
 }
 
-/// One row and how many of its pages are [`HOST_ONLY`], so "is every page resident" is O(1).
-#[derive(Clone, Debug, Default)]
-struct Blocks {
-    ids: Vec<u32>,
-    host_only: usize,
-}
-
-impl Blocks {
-    fn set(&mut self, ids: Vec<u32>) {
-        self.host_only = count_host_only(&ids);
-        self.ids = ids;
-    }
-
-    fn extend(&mut self, ids: &[u32]) {
-        self.host_only += count_host_only(ids);
-        self.ids.extend_from_slice(ids);
-    }
-
-    fn set_page(&mut self, page: usize, id: u32) -> Result<()> {
-        let Some(slot) = self.ids.get_mut(page) else {
-            return invalid(format!("page {page} is past the row's {} pages", self.ids.len()));
-        };
-        self.host_only = self.host_only + usize::from(id == HOST_ONLY) - usize::from(*slot == HOST_ONLY);
-        *slot = id;
-        Ok(())
-    }
-}
-
-fn count_host_only(ids: &[u32]) -> usize {
-    ids.iter().filter(|&&id| id == HOST_ONLY).count()
-}
-
+/// A request's rows, page by page: row `k`'s block of page `p` (the resident groups' rows, then the host's)
+/// at `ids[p * stride + k]`, so a page's blocks share the cache line a mirror of it reads (a scan over the
+/// batch finds every request's rows cold). Each row has its own length; the slots past it are unused.
 #[derive(Clone, Debug)]
 struct Rows {
-    resident: Vec<Blocks>,
-    host: Blocks,
+    ids: Vec<u32>,
+    lens: Vec<usize>,
+    /// [`HOST_ONLY`] pages within the resident rows, so "is every page resident" is O(1).
+    host_only: usize,
+    /// A step ending below this many tokens needs none of the engine's bookkeeping (0: any step may).
+    quiet_below: u64,
+}
+
+impl Rows {
+    fn new(stride: usize) -> Self {
+        Self { ids: Vec::new(), lens: vec![0; stride], host_only: 0, quiet_below: 0 }
+    }
+
+    fn stride(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Whether row `k` counts toward [`Rows::host_only`] (a resident group's: every row but the last).
+    fn resident(&self, k: usize) -> bool {
+        k + 1 < self.stride()
+    }
+
+    fn get(&self, k: usize, page: usize) -> Option<u32> {
+        (page < self.lens[k]).then(|| self.ids[page * self.stride() + k])
+    }
+
+    fn row(&self, k: usize) -> Vec<u32> {
+        (0..self.lens[k]).map(|page| self.ids[page * self.stride() + k]).collect()
+    }
+
+    fn truncate(&mut self, k: usize) {
+        if self.resident(k) {
+            self.host_only -= self.row(k).iter().filter(|&&id| id == HOST_ONLY).count();
+        }
+        self.lens[k] = 0;
+    }
+
+    fn extend(&mut self, k: usize, ids: &[u32]) {
+        let (stride, start) = (self.stride(), self.lens[k]);
+        let end = start + ids.len();
+        if self.ids.len() < end * stride {
+            self.ids.resize(end * stride, HOST_ONLY);
+        }
+        for (page, &id) in (start..end).zip(ids) {
+            self.ids[page * stride + k] = id;
+        }
+        if self.resident(k) {
+            self.host_only += ids.iter().filter(|&&id| id == HOST_ONLY).count();
+        }
+        self.lens[k] = end;
+    }
+
+    fn set_page(&mut self, k: usize, page: usize, id: u32) -> Result<()> {
+        let Some(old) = self.get(k, page) else {
+            return invalid(format!("page {page} is past the row's {} pages", self.lens[k]));
+        };
+        if self.resident(k) {
+            self.host_only = self.host_only + usize::from(id == HOST_ONLY) - usize::from(old == HOST_ONLY);
+        }
+        let stride = self.stride();
+        self.ids[page * stride + k] = id;
+        Ok(())
+    }
 }
 
 /// A contiguous span of one page's rows to copy from the resident groups to the host (vLLM's
@@ -76,6 +113,8 @@ pub struct BlockRows {
     groups: usize,
     block_size: u32,
     requests: HashMap<String, Rows>,
+    /// Row changes so far: the engine tells whether any row changed between two of its calls.
+    changes: u64,
 }
 
 impl BlockRows {
@@ -87,7 +126,7 @@ impl BlockRows {
                                     groups of {block_size}"
             ));
         }
-        Ok(Self { groups, block_size, requests: HashMap::new() })
+        Ok(Self { groups, block_size, requests: HashMap::new(), changes: 0 })
     }
 
     pub fn groups(&self) -> usize {
@@ -96,6 +135,11 @@ impl BlockRows {
 
     pub fn block_size(&self) -> u32 {
         self.block_size
+    }
+
+    /// How many times a row has changed (a count that only grows).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Requests with any row.
@@ -107,64 +151,102 @@ impl BlockRows {
         self.requests.is_empty()
     }
 
-    fn blocks_mut(&mut self, request: &str, row: Row) -> Result<&mut Blocks> {
-        if let Row::Resident(group) = row {
-            if group >= self.groups {
-                return invalid(format!("resident group {group} out of range: there are {}", self.groups));
+    /// The rows of `request` to change (made when it has none), and which of them `row` is.
+    fn rows_mut(&mut self, request: &str, row: Row) -> Result<(&mut Rows, usize)> {
+        let k = self.index(row)?;
+        let stride = self.groups + 1;
+        Ok((self.requests.entry(request.to_owned()).or_insert_with(|| Rows::new(stride)), k))
+    }
+
+    fn index(&self, row: Row) -> Result<usize> {
+        match row {
+            Row::Resident(group) if group >= self.groups => {
+                invalid(format!("resident group {group} out of range: there are {}", self.groups))
             }
+            Row::Resident(group) => Ok(group),
+            Row::Host => Ok(self.groups),
         }
-        let groups = self.groups;
-        let rows = self
-            .requests
-            .entry(request.to_owned())
-            .or_insert_with(|| Rows { resident: vec![Blocks::default(); groups], host: Blocks::default() });
-        Ok(match row {
-            Row::Resident(group) => &mut rows.resident[group],
-            Row::Host => &mut rows.host,
-        })
     }
 
     /// Replaces a row whole (after a change that may touch any of its pages: an admission, an import).
     pub fn set(&mut self, request: &str, row: Row, ids: Vec<u32>) -> Result<()> {
-        self.blocks_mut(request, row)?.set(ids);
+        let (rows, k) = self.rows_mut(request, row)?;
+        rows.truncate(k);
+        rows.extend(k, &ids);
+        rows.quiet_below = 0;
+        self.changes += 1;
         Ok(())
     }
 
     /// Appends pages to a row (the blocks an allocation added).
     pub fn extend(&mut self, request: &str, row: Row, ids: &[u32]) -> Result<()> {
-        self.blocks_mut(request, row)?.extend(ids);
+        let (rows, k) = self.rows_mut(request, row)?;
+        rows.extend(k, ids);
+        rows.quiet_below = 0;
+        self.changes += 1;
         Ok(())
     }
 
     /// One page of a row changed (a page adopted or dropped). The page must exist.
     pub fn set_page(&mut self, request: &str, row: Row, page: usize, id: u32) -> Result<()> {
-        if !self.requests.contains_key(request) {
+        let k = self.index(row)?;
+        let Some(rows) = self.requests.get_mut(request) else {
             return invalid(format!("request {request:?} has no rows"));
-        }
-        self.blocks_mut(request, row)?.set_page(page, id)
+        };
+        rows.set_page(k, page, id)?;
+        rows.quiet_below = 0;
+        self.changes += 1;
+        Ok(())
     }
 
     /// A row was given back (its request freed or preempted); a request with no row left is forgotten.
     pub fn clear(&mut self, request: &str, row: Row) -> Result<()> {
-        self.blocks_mut(request, row)?.set(Vec::new());
-        let rows = &self.requests[request];
-        if rows.host.ids.is_empty() && rows.resident.iter().all(|b| b.ids.is_empty()) {
+        self.set(request, row, Vec::new())?;
+        if self.requests[request].lens.iter().all(|&len| len == 0) {
             self.requests.remove(request);
         }
         Ok(())
     }
 
+    /// The engine found that `request`'s steps ending below `tokens` need none of its bookkeeping, as long as
+    /// its rows do not change (a change of any of them wakes it); a request with no rows is never quiet.
+    pub fn quiet(&mut self, request: &str, tokens: u64) {
+        if let Some(rows) = self.requests.get_mut(request) {
+            rows.quiet_below = tokens;
+        }
+    }
+
+    /// Something outside the rows changed what `request`'s next step needs: it is no longer quiet.
+    pub fn wake(&mut self, request: &str) {
+        self.quiet(request, 0);
+    }
+
+    /// Whether a step of `request` ending at `tokens` may need the engine's bookkeeping (not [`quiet`]).
+    ///
+    /// [`quiet`]: BlockRows::quiet
+    pub fn busy(&self, request: &str, tokens: u64) -> bool {
+        self.requests.get(request).map_or(true, |rows| tokens >= rows.quiet_below)
+    }
+
     /// Forgets every row (the engine's pools were reset).
     pub fn clear_all(&mut self) {
         self.requests.clear();
+        self.changes += 1;
     }
 
     /// A row as recorded; empty when never reported.
-    pub fn row(&self, request: &str, row: Row) -> &[u32] {
-        let Some(rows) = self.requests.get(request) else { return &[] };
-        match row {
-            Row::Resident(group) => rows.resident.get(group).map_or(&[], |b| &b.ids),
-            Row::Host => &rows.host.ids,
+    pub fn row(&self, request: &str, row: Row) -> Vec<u32> {
+        match (self.requests.get(request), self.index(row)) {
+            (Some(rows), Ok(k)) => rows.row(k),
+            _ => Vec::new(),
+        }
+    }
+
+    /// How many pages a row holds.
+    pub fn row_len(&self, request: &str, row: Row) -> usize {
+        match (self.requests.get(request), self.index(row)) {
+            (Some(rows), Ok(k)) => rows.lens[k],
+            _ => 0,
         }
     }
 
@@ -176,9 +258,7 @@ impl BlockRows {
         };
         pages
             .iter()
-            .flat_map(|&page| {
-                rows.resident.iter().map(move |b| b.ids.get(page).copied().unwrap_or(HOST_ONLY))
-            })
+            .flat_map(|&page| (0..self.groups).map(move |g| rows.get(g, page).unwrap_or(HOST_ONLY)))
             .collect()
     }
 
@@ -196,13 +276,10 @@ impl BlockRows {
             let num_rows = (block_size - offset).min(end - position);
             position += num_rows;
             let Ok(page) = usize::try_from(page) else { break };
-            let block_at = |blocks: &Blocks| blocks.ids.get(page).copied().filter(|&id| id != HOST_ONLY);
-            let Some(host) = block_at(&rows.host) else { continue };
-            let sources: Option<Vec<u64>> = rows
-                .resident
-                .iter()
-                .map(|b| block_at(b).map(|id| u64::from(id) * block_size + offset))
-                .collect();
+            let block_at = |k: usize| rows.get(k, page).filter(|&id| id != HOST_ONLY);
+            let Some(host) = block_at(self.groups) else { continue };
+            let sources: Option<Vec<u64>> =
+                (0..self.groups).map(|g| block_at(g).map(|id| u64::from(id) * block_size + offset)).collect();
             if let Some(sources) = sources {
                 let rows = u32::try_from(num_rows).expect("a span is at most one page of rows");
                 out.push(Mirror { sources, destination: u64::from(host) * block_size + offset, rows });
@@ -217,7 +294,7 @@ impl BlockRows {
     pub fn all_resident(&self, request: &str, tokens: u64) -> bool {
         let pages = tokens.div_ceil(u64::from(self.block_size));
         let Some(rows) = self.requests.get(request) else { return pages == 0 };
-        rows.resident[0].ids.len() as u64 >= pages && rows.resident.iter().all(|b| b.host_only == 0)
+        rows.lens[0] as u64 >= pages && rows.host_only == 0
     }
 }
 
@@ -284,6 +361,25 @@ mod tests {
     }
 
     #[test]
+    fn rows_of_different_lengths_keep_their_own_pages() {
+        let mut rows = rows();
+        rows.extend("a", Row::Host, &[33, 34]).unwrap();
+        rows.set("a", Row::Resident(0), vec![HOST_ONLY, 1]).unwrap();
+        assert_eq!(rows.row("a", Row::Resident(0)), vec![HOST_ONLY, 1]);
+        assert_eq!(rows.row("a", Row::Resident(1)), vec![20, 21, 22]);
+        assert_eq!(rows.row("a", Row::Host), vec![30, 31, 32, 33, 34]);
+        assert_eq!((rows.row_len("a", Row::Host), rows.row_len("a", Row::Resident(0))), (5, 2));
+        assert_eq!(rows.blocks_at("a", &[1, 2]), vec![1, 21, HOST_ONLY, 22]);
+        assert!(!rows.all_resident("a", 8));
+        rows.set("a", Row::Resident(0), vec![5, 6, 7, 8]).unwrap();
+        assert!(rows.all_resident("a", 12), "the page read from the host was replaced");
+        assert!(
+            rows.set_page("a", Row::Resident(1), 3, 1).is_err(),
+            "group 1 has 3 pages, whatever the others hold"
+        );
+    }
+
+    #[test]
     fn a_request_is_forgotten_when_its_last_row_is_cleared() {
         let mut rows = rows();
         rows.clear("a", Row::Resident(0)).unwrap();
@@ -292,6 +388,25 @@ mod tests {
         assert!(rows.row("a", Row::Resident(0)).is_empty());
         rows.clear("a", Row::Host).unwrap();
         assert!(rows.is_empty());
+    }
+
+    #[test]
+    fn a_quiet_request_wakes_when_a_row_changes_or_its_step_reaches_the_bound() {
+        let mut rows = rows();
+        assert!(rows.busy("a", 10), "not marked yet");
+        rows.quiet("a", 12);
+        assert!(!rows.busy("a", 11) && rows.busy("a", 12));
+        rows.extend("a", Row::Host, &[33]).unwrap();
+        assert!(rows.busy("a", 11), "a row grew");
+        rows.quiet("a", 12);
+        rows.set_page("a", Row::Resident(1), 0, HOST_ONLY).unwrap();
+        assert!(rows.busy("a", 11), "a page was lost");
+        rows.quiet("a", 12);
+        let changes = rows.changes();
+        rows.wake("a");
+        assert!(rows.busy("a", 11) && rows.changes() == changes, "a wake is not a row change");
+        rows.quiet("never-seen", 100);
+        assert!(rows.busy("never-seen", 0) && rows.len() == 1, "no rows: never quiet, nothing recorded");
     }
 
     #[test]

@@ -4,9 +4,10 @@
 use std::sync::Mutex;
 
 use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Mirror, Row, HOST_ONLY};
-use pyo3::intern;
+use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, intern};
 
 use crate::errors::{invalid, PyResultExt};
 
@@ -21,6 +22,29 @@ fn block_id(id: Option<u32>) -> PyResult<u32> {
         Some(HOST_ONLY) => Err(invalid(format!("block id {HOST_ONLY} is reserved"))),
         Some(id) => Ok(id),
     }
+}
+
+/// ``dict[request]`` as an integer; a ``KeyError`` when absent.
+fn item<'py>(dict: &Bound<'py, PyDict>, request: &Bound<'py, PyString>) -> PyResult<u64> {
+    match dict.get_item(request)? {
+        Some(value) => value.extract(),
+        None => Err(PyKeyError::new_err(request.clone().unbind())),
+    }
+}
+
+/// Each ``(request, tokens scheduled, tokens computed before)`` of a step, in ``scheduled``'s order.
+fn steps<'py>(
+    scheduled: &Bound<'py, PyDict>,
+    computed: &Bound<'py, PyDict>,
+) -> PyResult<Vec<(Bound<'py, PyString>, u64, u64)>> {
+    scheduled
+        .iter()
+        .map(|(request, count)| {
+            let request = request.cast_into::<PyString>()?;
+            let start = item(computed, &request)?;
+            Ok((request, count.extract()?, start))
+        })
+        .collect()
 }
 
 /// ``group``: a resident group's index, or ``None`` for the host row.
@@ -78,12 +102,14 @@ impl BlockRows {
 
     /// A row as recorded (``None``: read from the host); empty when never reported.
     fn row(&self, request: &str, group: Option<usize>) -> Vec<Option<u32>> {
-        self.with(|r| r.row(request, row(group)).iter().map(|&id| (id != HOST_ONLY).then_some(id)).collect())
+        self.with(|r| {
+            r.row(request, row(group)).into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
+        })
     }
 
     /// How many pages a row holds (``len(row(...))`` without building the row).
     fn row_len(&self, request: &str, group: Option<usize>) -> usize {
-        self.with(|r| r.row(request, row(group)).len())
+        self.with(|r| r.row_len(request, row(group)))
     }
 
     /// Every resident group's block of each page, page by page (``len(pages) x groups`` ids, ``None`` where a
@@ -93,42 +119,86 @@ impl BlockRows {
         ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
     }
 
-    /// For each ``(request, first token, tokens)``, the spans of its token rows to mirror to the host (the
-    /// core's ``BlockRows::mirrors``), as instances of ``cls`` (vLLM's ``SparseKVRowMirror``, a dataclass of
-    /// ``source_starts``, ``destination_start`` and ``num_rows``): a dict of request id to a tuple of them.
-    /// They are made as unpickling makes them, ``object.__new__`` and the fields set in the instance's
-    /// ``__dict__``: the frozen dataclass's ``__init__`` alone costs more than the scan. One new row per
-    /// request per decode step, so the scan is a lookup per request: the GIL is kept, and the request ids are
-    /// read in place and reused as the dict's keys (their hashes cached), not copied.
-    fn mirrors<'py>(
+    /// ``request`` needs no bookkeeping in a step ending below ``tokens`` until one of its rows changes or it
+    /// is woken (the core's ``BlockRows::quiet``).
+    fn quiet(&self, request: &str, tokens: u64) {
+        self.with(|r| r.quiet(request, tokens));
+    }
+
+    /// Something outside the rows changed what ``request``'s next step needs.
+    fn wake(&self, request: &str) {
+        self.with(|r| r.wake(request));
+    }
+
+    /// How many times a row has changed: whether any did between two calls.
+    #[getter]
+    fn changes(&self) -> u64 {
+        self.with(|r| r.changes())
+    }
+
+    /// vLLM's per-step views of the scheduled requests (``scheduled``: request -> tokens this step;
+    /// ``computed``: request -> tokens computed before it), in one pass: each one's row mirrors (the core's
+    /// ``BlockRows::mirrors`` over the step's rows, from ``back[request]`` rows before them when ``back`` is
+    /// given, through ``lookahead`` rows after), as a dict of request id to a tuple of ``cls`` (vLLM's
+    /// ``SparseKVRowMirror``, a frozen dataclass of ``source_starts``, ``destination_start`` and
+    /// ``num_rows``); whether every one reads only resident pages; and, in ``scheduled``'s order, those whose
+    /// step may need the engine's bookkeeping: not marked quiet below the step's end (``quiet``). The
+    /// mirrors are made as unpickling makes them, ``object.__new__`` and each field set past the frozen
+    /// ``__setattr__``: the dataclass's ``__init__`` alone costs more than the scan. One new row per request
+    /// per decode step, so the scan is a lookup per request: the GIL is kept, and the request ids are read
+    /// in place and reused as the dict's keys and the list's items (their hashes cached), not copied.
+    #[pyo3(signature = (scheduled, computed, cls, lookahead=0, back=None))]
+    fn scan<'py>(
         &self,
         py: Python<'py>,
-        windows: Vec<(Bound<'py, PyString>, u64, u64)>,
+        scheduled: &Bound<'py, PyDict>,
+        computed: &Bound<'py, PyDict>,
         cls: &Bound<'py, PyType>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+        lookahead: u64,
+        back: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<(Bound<'py, PyDict>, bool, Bound<'py, PyList>)> {
         let new = py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?;
+        let fields =
+            [intern!(py, "source_starts"), intern!(py, "destination_start"), intern!(py, "num_rows")];
         let make = |m: Mirror| -> PyResult<Bound<'py, PyAny>> {
             let mirror = new.call1((cls,))?;
-            let fields = mirror.getattr(intern!(py, "__dict__"))?.cast_into::<PyDict>()?;
-            fields.set_item(intern!(py, "source_starts"), PyTuple::new(py, m.sources)?)?;
-            fields.set_item(intern!(py, "destination_start"), m.destination)?;
-            fields.set_item(intern!(py, "num_rows"), m.rows)?;
+            let values = [
+                PyTuple::new(py, m.sources)?.into_any(),
+                m.destination.into_pyobject(py)?.into_any(),
+                m.rows.into_pyobject(py)?.into_any(),
+            ];
+            for (name, value) in fields.iter().zip(values) {
+                // SAFETY: three live objects. The setter is object's own, which the frozen class's __setattr__
+                // (raising for every assignment) keeps from being reached through setattr.
+                if unsafe { ffi::PyObject_GenericSetAttr(mirror.as_ptr(), name.as_ptr(), value.as_ptr()) } < 0
+                {
+                    return Err(PyErr::fetch(py));
+                }
+            }
             Ok(mirror)
         };
         let out = PyDict::new(py);
+        let busy = PyList::empty(py);
+        let mut resident = true;
         self.with(|rows| {
-            for (request, start, count) in windows {
-                let spans = rows.mirrors(request.to_str()?, start, count);
-                let made = spans.into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
+            for (request, count, start) in steps(scheduled, computed)? {
+                let name = request.to_str()?;
+                let first = match back {
+                    Some(back) => start.saturating_sub(item(back, &request)?),
+                    None => start,
+                };
+                let window = count.saturating_add(start - first).saturating_add(lookahead);
+                let made =
+                    rows.mirrors(name, first, window).into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
+                let end = start.saturating_add(count);
+                resident = resident && rows.all_resident(name, end);
+                if rows.busy(name, end) {
+                    busy.append(&request)?;
+                }
                 out.set_item(request, PyTuple::new(py, made)?)?;
             }
-            Ok(out)
+            Ok((out, resident, busy))
         })
-    }
-
-    /// Whether every ``(request, tokens)`` reads nothing from the host in a step ending at ``tokens``.
-    fn all_resident(&self, py: Python<'_>, requests: Vec<(String, u64)>) -> bool {
-        py.detach(|| self.with(|r| requests.iter().all(|(request, tokens)| r.all_resident(request, *tokens))))
     }
 
     fn __len__(&self) -> usize {

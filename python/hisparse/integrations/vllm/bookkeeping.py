@@ -11,8 +11,11 @@ connector rescans every scheduled request's rows in Python every step (``build_r
   new blocks after each allocation, a whole row after an admission or an import, one page when it is
   adopted, dropped or copied on write, nothing once freed), so the scans run in Rust over integers, for
   the whole batch in one call;
-- the scans that read vLLM's per-request state skip requests whose step changes nothing
-  (``with_residency_work``, ``publish_when_ready``).
+- the scans that read vLLM's per-request state skip requests whose step changes nothing: the core keeps
+  a request found to need none of them until it seals a page quiet (``settle``) until one of its rows
+  changes or an event wakes it, and sorts each step's batch in the call that mirrors it (``scan``), so a
+  decode within its last page is not read in Python at all; ``publish_when_ready`` remembers a request
+  steady within its page.
 
 ``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
 and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
@@ -133,8 +136,8 @@ class Bookkeeping(HiSparseCoordinator):
             self._host_block_size = host.block_size
             self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
             self._hash_block_size = host.block_pool.hash_block_size
-        # Requests whose publish_when_ready publishes nothing until another page is computed: (state, pages).
-        self._published: dict[str, tuple[Any, int]] = {}
+        # Requests whose publish_when_ready publishes nothing until another page is computed: their pages.
+        self._published: dict[str, int] = {}
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
@@ -184,6 +187,11 @@ class Bookkeeping(HiSparseCoordinator):
                     raise InvariantError(f"request {request_id!r}: recorded row of group {group} differs from vLLM's")
         if len(self.rows) > len(held):
             raise InvariantError(f"{len(self.rows)} requests recorded, vLLM holds rows of {len(held)}")
+        for request_id in held:
+            # A quiet mark is sound: no higher than settle would set it now (0 when not quiet).
+            below = self._quiet_below(request_id)
+            if not self.rows.scan({request_id: 0}, {request_id: below}, SparseKVRowMirror)[2]:
+                raise InvariantError(f"request {request_id!r} is marked quiet past {below} tokens")
 
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
 
@@ -258,20 +266,45 @@ class Bookkeeping(HiSparseCoordinator):
         blocks = self.host_manager.req_to_blocks.get(request_id, ())
         return len(blocks) >= pages and all(not b.is_null and b.block_hash is not None for b in blocks[:pages])
 
-    def row_mirrors(self, requests) -> dict[str, tuple[SparseKVRowMirror, ...]]:
-        """``build_row_mirrors`` of each ``(request, first token, tokens)`` on its own, in one core call: what
-        vLLM's connector sends per request (one new row per decode step, so this is what changed)."""
-        if self._recorder is None:
-            return {request_id: () for request_id, _, _ in requests}
-        return self.rows.mirrors(requests, SparseKVRowMirror)
+    def settle(self, request_ids) -> None:
+        """Marks quiet in the core each of these requests (given this step's bookkeeping) that needs no more of
+        it, neither ``advance_scheduled`` (:meth:`with_residency_work`) nor ``take_residency_updates``, in the
+        steps that seal no new page: it reads through its hot region, and has no prefix to adopt, no import
+        pending, no residency change the worker lacks, and no clean page pinned outside its tail. A change of
+        its rows wakes it in the core; so do the events that change this state otherwise (pages made clean or
+        lost, admissions, imports: ``_page_became_clean``, ``_lose_page``...). ``check_rows`` checks the marks."""
+        for request_id in request_ids:
+            below = self._quiet_below(request_id)
+            if below:
+                self.rows.quiet(request_id, below)
 
-    def all_context_pages_resident(self, requests) -> bool:
-        """vLLM's answer (``coordinator.py:676``: every scheduled request has the blocks of its context and reads
-        only resident pages), from the recorded rows, which count their pages read from the host."""
+    def _quiet_below(self, request_id: str) -> int:
+        """The step end (tokens) below which ``request_id`` needs no per-request bookkeeping as it stands; 0 when
+        its next step may need some whatever its end."""
+        state = self.request_states.get(request_id)
+        if (state is None or request_id not in self._reads_host or state.pages_to_adopt or state.stale_pages
+                or request_id in self._pending_imports):
+            return 0
+        pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
+        pinned = state.pinned_clean
+        if state.synced_pages < pages or (pinned and len(pinned) > len(pinned.intersection(
+                range(max(0, pages - ACTIVE_TAIL_PAGES), pages)))):
+            return 0
+        # with_residency_work's first test: no page past the ready prefix is sealed.
+        return (state.ready_prefix_pages + 1) * self.host_manager.block_size + self.num_reprefillable_tokens
+
+    def scan(self, scheduled: dict[str, int], computed: dict[str, int], lookahead: int = 0,
+             back: dict[str, int] | None = None) -> tuple[dict[str, tuple[SparseKVRowMirror, ...]], bool, list[str]]:
+        """One core call over the scheduled requests (request -> tokens this step, request -> tokens computed
+        before it) and the recorded rows, which count their pages read from the host: vLLM's
+        ``build_row_mirrors`` of each on its own (over its step's rows, from ``back[request]`` rows before
+        them, through ``lookahead`` after), ``all_context_pages_resident`` (``coordinator.py:676``: every one
+        has the blocks of its context and reads only resident pages), and those that may have per-request
+        bookkeeping to do this step, in their order: all but those :meth:`settle` found quiet below the step's
+        end, whose rows have not changed since."""
         if self._recorder is None:
-            return False
-        return self.rows.all_resident([(request_id, computed + scheduled)
-                                       for request_id, computed, scheduled in requests])
+            return {request_id: () for request_id in scheduled}, False, list(scheduled)
+        return self.rows.scan(scheduled, computed, SparseKVRowMirror, lookahead, back)
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
@@ -288,13 +321,12 @@ class Bookkeeping(HiSparseCoordinator):
         # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
         # publication cleared): skip the publication object and the host manager's call.
         request_id = request.request_id
+        steady = self._published.get(request_id)
+        if steady is not None and steady == num_computed_tokens // self._host_block_size:
+            return  # steady within a page: nothing below can have changed (``_publishes_nothing``)
         state = self.request_states.get(request_id)
         if state is not None and self._recorder is not None:
-            num_pages = num_computed_tokens // self._host_block_size
-            steady = self._published.get(request_id)
-            if steady is not None and steady[0] is state and steady[1] == num_pages:
-                return  # steady within a page: nothing below can have changed (``_publishes_nothing``)
-            if self._publishes_nothing(request, state, num_pages):
+            if self._publishes_nothing(request, state, num_computed_tokens // self._host_block_size):
                 state.publication = None
                 return
         self._published.pop(request_id, None)
@@ -306,7 +338,7 @@ class Bookkeeping(HiSparseCoordinator):
         record no GPU copy. Every count it compares only grows while ``state`` lives (ready and recorded
         pages, cached blocks), so once the bounds are the computed pages themselves (the host row and the
         block hashes reach past them) the answer holds until another page is computed: remembered in
-        ``_published``."""
+        ``_published`` (until the state goes: ``free``)."""
         if state.ready_prefix_pages < num_pages:
             return False
         request_id = request.request_id
@@ -318,13 +350,40 @@ class Bookkeeping(HiSparseCoordinator):
         if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(num_pages, hashed):
             return False
         if host_blocks >= num_pages and hashed >= num_pages:
-            self._published[request_id] = (state, num_pages)
+            self._published[request_id] = num_pages
         return True
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self._reads_host.discard(request_id)
         self._published.pop(request_id, None)
+        self.rows.wake(request_id)
+
+    # What changes the state ``settle`` reads other than through the rows: the request is woken.
+
+    def _page_became_clean(self, request_id: str, state, page_idx: int) -> None:
+        super()._page_became_clean(request_id, state, page_idx)
+        self.rows.wake(request_id)
+
+    def _lose_page(self, request_id: str, page_idx: int) -> None:
+        super()._lose_page(request_id, page_idx)
+        self.rows.wake(request_id)
+
+    def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
+        super().commit_computed_blocks(request_id, num_host_pages)
+        self.rows.wake(request_id)
+
+    def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
+        super().record_pending_host_import(request_id, num_tokens)
+        self.rows.wake(request_id)
+
+    def finish_host_import(self, request_id: str, *, failed: bool) -> None:
+        super().finish_host_import(request_id, failed=failed)
+        self.rows.wake(request_id)
+
+    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
+        super().complete_host_import(request_id, num_computed_tokens)
+        self.rows.wake(request_id)
 
     # ------------------------------------------------------------------ a reset: what the workers held is gone
 

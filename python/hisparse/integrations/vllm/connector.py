@@ -236,23 +236,21 @@ class HiSparseConnector(VllmHiSparseConnector):
         # HiSparse rebinds worker state every step: the load must run before the forward.
         scheduler_output.has_sync_kv_loads = True
         new_reqs = scheduler_output.scheduled_new_reqs
-        computed = {r.req_id: r.num_computed_tokens for r in new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        scheduled = scheduler_output.num_scheduled_tokens
         requests = scheduler.requests
-        lookahead = scheduler.draft_kv_lookahead
-        placeholders = scheduler.async_speculative  # rows of unverified drafts are rewritten: mirror them again
-        # One pass for every per-request view the calls below take: (request, first token, tokens scheduled),
-        # tokens computed after the step, and the rows to mirror.
-        scheduled, ends, windows = [], [], []
-        for rid, count in scheduler_output.num_scheduled_tokens.items():
-            start, request = computed[rid], requests[rid]
-            scheduled.append((rid, start, count))
-            ends.append((rid, min(start + count, request.num_tokens)))
-            first = max(0, start - request.num_output_placeholders) if placeholders else start
-            windows.append((rid, first, count + start - first + lookahead))
+        # Rows of unverified drafts are rewritten: mirror them again.
+        back = ({rid: requests[rid].num_output_placeholders for rid in scheduled}
+                if scheduler.async_speculative else None)
         self._finish_loaded_imports(coordinator, new_reqs, cached)
-        coordinator.advance_scheduled(coordinator.with_residency_work(ends))
+        # vLLM's views come after advance_scheduled, which changes rows only when it adopts GPU copies: then
+        # they are taken again. Only the requests not quiet in the core (``Bookkeeping.settle``) are read here.
+        row_mirrors, resident, busy = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
+        changes = coordinator.rows.changes
+        coordinator.advance_scheduled(coordinator.with_residency_work(
+            [(rid, min(computed[rid] + scheduled[rid], requests[rid].num_tokens)) for rid in busy]))
         command = coordinator.build_offload_command()
         host_block_copies = coordinator.take_host_block_copies()
         source_group = coordinator.host_group_id
@@ -260,10 +258,12 @@ class HiSparseConnector(VllmHiSparseConnector):
         for new_block_ids in cached.new_block_ids:
             if new_block_ids is not None:
                 source_block_ids.extend(new_block_ids[source_group])
-        row_mirrors = coordinator.row_mirrors(windows)
-        return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors,
-                                         coordinator.all_context_pages_resident(scheduled),
-                                         coordinator.take_residency_updates(scheduler_output.num_scheduled_tokens))
+        if coordinator.rows.changes != changes:
+            row_mirrors, resident, _ = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
+        updates = coordinator.take_residency_updates(busy)
+        coordinator.settle(busy)
+        return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors, resident,
+                                         updates)
 
     def _finish_loaded_imports(self, coordinator: Any, new_reqs: Any, cached: Any) -> None:
         """Finishes, before this step's transfers are planned, the host import of each request that starts
