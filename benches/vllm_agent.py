@@ -204,13 +204,7 @@ def short(turns: int | None, output: int | None) -> dict:
 
 
 def conversations(cfg: dict, c: int) -> tuple[list, dict]:
-    jobs, then = [], {}
-    for i in range(c):
-        head, follow = H.conversation(f"c{i}", 100 + i, first=cfg["first"], later=cfg["later"],
-                                      output=cfg["output"], turns=cfg["turns"])
-        jobs.append(head)
-        then.update(follow)
-    return jobs, then
+    return H.conversations(c, 100, first=cfg["first"], later=cfg["later"], output=cfg["output"], turns=cfg["turns"])
 
 
 def _copy(jobs: list, then: dict) -> tuple[list, dict]:

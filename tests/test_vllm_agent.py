@@ -200,11 +200,7 @@ def test_multi_turn_agent_conversations():
     setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, host_pool_gib=20, offload_gib=0.25,
                     max_num_seqs=8, max_num_batched_tokens=2048)
     worker = H.FakeWorker(setup, layers=[0, 30, 60])
-    jobs, then = [], {}
-    for c in range(5):
-        head, follow = H.conversation(f"c{c}", 100 + c, first=2500, later=300, output=24, turns=3, arrival=3 * c)
-        jobs.append(head)
-        then.update(follow)
+    jobs, then = H.conversations(5, 100, first=2500, later=300, output=24, turns=3, spacing=3)
     stats = H.run(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10})
     assert stats.aborted == 2
     assert stats.prefix_hit_tokens >= 5 * 2500, "later turns read their earlier turns' prefix"
@@ -225,11 +221,7 @@ def test_multi_turn_agents_in_the_published_shape_with_preemptions():
                     host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
                     offload_gib=0.25, extra={"policy": "fifo"})
     worker = H.FakeWorker(setup, layers=[0, 21, 41, 77], completion_lag=2)
-    jobs, then = [], {}
-    for c in range(6):
-        head, follow = H.conversation(f"c{c}", 100 + c, first=2500, later=300, output=24, turns=3, arrival=2 * c)
-        jobs.append(head)
-        then.update(follow)
+    jobs, then = H.conversations(6, 100, first=2500, later=300, output=24, turns=3, spacing=2)
     stats = H.run(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10}, num_spec_tokens=3)
     assert stats.aborted == 2 and stats.preemptions > 0
     assert stats.tier_flushes > 0, "blocks were handed out again with their stores in flight (vLLM flushes them)"
@@ -274,11 +266,7 @@ def test_the_short_end_on_glm53s_layout_later_turns_are_restored_whole():
             def on_step(_, s=s, hot_managers=hot_managers, with_region=with_region):
                 with_region.update(r.request_id for r in s.scheduler.running if hot_managers[0].has_hot(r.request_id))
 
-            jobs, then = [], {}
-            for c in range(4):
-                head, follow = H.conversation(f"c{c}", 300 + c, first=2000, later=900, output=48, turns=2)
-                jobs.append(head)
-                then.update(follow)
+            jobs, then = H.conversations(4, 300, first=2000, later=900, output=48, turns=2)
             stats = H.run(s, H.FakeWorker(s, reads=False, data=False), jobs, then=then, on_step=on_step,
                           num_spec_tokens=3)
             assert stats.prefix_hit_tokens > 0
@@ -307,11 +295,7 @@ def test_short_later_turns_restored_whole_read_every_byte_right():
         setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.0, max_model_len=4096, num_spec_tokens=3,
                         async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
         worker = H.FakeWorker(setup, layers=[0, 42])
-        jobs, then = [], {}
-        for c in range(6):
-            head, follow = H.conversation(f"c{c}", 300 + c, first=2000, later=900, output=48, turns=2)
-            jobs.append(head)
-            then.update(follow)
+        jobs, then = H.conversations(6, 300, first=2000, later=900, output=48, turns=2)
         stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3)
         counters = _children(setup)["hisparse.HiSparseConnector"].coordinator.counters
         # Each turn's prefix is at least its first turn's 2,000 tokens: its pages but the tail (which vLLM's
@@ -338,11 +322,7 @@ def test_a_synchronous_load_restores_the_import_tail_before_the_forward_reads_it
                     offload_extra={"sync_load_budget_bytes": 1 << 30},
                     extra=None if mode == "native" else {"policy": mode})
     worker = H.FakeWorker(setup, layers=[0, 30, 60])
-    jobs, then = [], {}
-    for c in range(5):
-        head, follow = H.conversation(f"c{c}", 100 + c, first=2500, later=300, output=24, turns=3, arrival=3 * c)
-        jobs.append(head)
-        then.update(follow)
+    jobs, then = H.conversations(5, 100, first=2500, later=300, output=24, turns=3, spacing=3)
     if mode == "native":
         with pytest.raises(H.CheckFailed, match="rows read differ"):
             H.run(setup, worker, jobs, then=then)

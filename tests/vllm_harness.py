@@ -1169,6 +1169,17 @@ def conversation(name: str, seed: int, *, first: int, later: int, output: int, t
     return head, follow
 
 
+def conversations(count: int, seed: int, *, spacing: int = 0, **shape) -> tuple[list[Job], dict[str, Job]]:
+    """``count`` conversations (:func:`conversation` of ``shape``) named ``c0``, ``c1``..., seeded from
+    ``seed``, the first turn of each ``spacing`` steps after the last's: the jobs and :func:`run`'s ``then``."""
+    jobs, then = [], {}
+    for c in range(count):
+        head, follow = conversation(f"c{c}", seed + c, arrival=spacing * c, **shape)
+        jobs.append(head)
+        then.update(follow)
+    return jobs, then
+
+
 def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 10_000,
         num_spec_tokens: int = 0, on_step=None, then: dict[str, Job] | None = None,
         aborts: dict[str, int] | None = None) -> Stats:
