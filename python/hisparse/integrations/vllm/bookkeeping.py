@@ -55,6 +55,15 @@ def vllm_row(manager: Any, group: int | None, request_id: str) -> list:
     return manager.get_residency_row(request_id)
 
 
+def _pins_past_tail(state: Any, pages: int) -> bool:
+    """Whether the request (of ``pages`` resident pages) holds a clean page pinned outside its tail: work for
+    ``update_residency``, which releases one only once it leaves the tail (``_resident_page_blocks``); a
+    pinned page in the tail, the usual case, is none. The intersection looks up the tail's pages in the set,
+    rather than iterating the set, whose table keeps the size it had when the request last held many."""
+    pinned = state.pinned_clean
+    return len(pinned) > len(pinned.intersection(range(max(0, pages - ACTIVE_TAIL_PAGES), pages)))
+
+
 class _RowRecorder:
     """Keeps ``BlockRows`` equal to vLLM's rows by wrapping, on vLLM's manager objects, the methods that change
     a row in place (rare: admissions, imports, adoptions, losses, copy-on-write, frees). Rows grow every
@@ -244,16 +253,9 @@ class Bookkeeping(HiSparseCoordinator):
             if first < max(0, num_tokens - reprefill) // block_size or state.pages_to_adopt:
                 out.append((request_id, num_tokens))
                 continue
-            # A clean page still pinned is released only once it leaves the tail (_resident_page_blocks):
-            # a pinned page in the tail, the usual case, is no work. The intersection looks up the tail's
-            # pages in the set, rather than iterating the set, whose table keeps the size it had when the
-            # request last held many pinned pages.
-            pinned = state.pinned_clean
-            if pinned:
-                pages = len(resident.get(request_id, ()))
-                if len(pinned) > len(pinned.intersection(range(max(0, pages - ACTIVE_TAIL_PAGES), pages))):
-                    out.append((request_id, num_tokens))
-                    continue
+            if state.pinned_clean and _pins_past_tail(state, len(resident.get(request_id, ()))):
+                out.append((request_id, num_tokens))
+                continue
             if request_id not in reads_host and not self._can_read_from_host(request_id):
                 out.append((request_id, num_tokens))
         return out
@@ -286,9 +288,7 @@ class Bookkeeping(HiSparseCoordinator):
                 or request_id in self._pending_imports):
             return 0
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
-        pinned = state.pinned_clean
-        if state.synced_pages < pages or (pinned and len(pinned) > len(pinned.intersection(
-                range(max(0, pages - ACTIVE_TAIL_PAGES), pages)))):
+        if state.synced_pages < pages or (state.pinned_clean and _pins_past_tail(state, pages)):
             return 0
         # with_residency_work's first test: no page past the ready prefix is sealed.
         return (state.ready_prefix_pages + 1) * self.host_manager.block_size + self.num_reprefillable_tokens

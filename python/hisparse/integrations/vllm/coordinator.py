@@ -87,8 +87,7 @@ class HisparseCoordinator(Bookkeeping):
             self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
 
     def _is_short(self, request) -> bool:
-        longest = longest_tokens(request)
-        return longest is not None and self._never_takes_hot_region(longest)
+        return self._never_takes_hot_region(longest_tokens(request))
 
     def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
         super().complete_host_import(request_id, num_computed_tokens)
@@ -134,7 +133,7 @@ class HisparseCoordinator(Bookkeeping):
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
-        short = longest is not None and self._never_takes_hot_region(longest)
+        short = self._never_takes_hot_region(longest)
         if not self._deferred and self._has_headroom(num_tokens, num_computed_tokens, admission_tokens,
                                                      num_running, short):
             return True
@@ -142,16 +141,15 @@ class HisparseCoordinator(Bookkeeping):
         self._deferred = True
         return False
 
-    def _never_takes_hot_region(self, longest: int) -> bool:
-        """Whether a request that never grows past ``longest`` tokens can never be moved to a hot region
-        (``update_residency``; ``PoolShape::never_takes_hot_region``). Short requests are most requests; no
-        region need be kept for them."""
-        return self.order.never_takes_hot_region(longest)
+    def _never_takes_hot_region(self, longest: int | None) -> bool:
+        """Whether a request that never grows past ``longest`` tokens (None: unbounded) can never be moved to a
+        hot region (``update_residency``; ``PoolShape::never_takes_hot_region``). Short requests are most
+        requests; no region need be kept for them."""
+        return longest is not None and self.order.never_takes_hot_region(longest)
 
     def _may_take_hot_region(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
-        longest = longest_tokens(request) if request is not None else None
-        return longest is None or not self._never_takes_hot_region(longest)
+        return request is None or not self._is_short(request)
 
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
                       num_running: int, short: bool) -> bool:
