@@ -340,6 +340,11 @@ def _blocks(cfg: SimConfig, tokens: int) -> int:
     return -(-tokens // cfg.block_tokens) + 1
 
 
+def _new_pages(block_tokens: int, computed: int, tokens: int) -> int:
+    """Pages a step of ``tokens`` after ``computed`` adds to a request (its blocks vLLM allocates as it schedules)."""
+    return -(-(computed + tokens) // block_tokens) - -(-computed // block_tokens)
+
+
 def _pool_advice(cfg: SimConfig, blocks: int, gpu_block_bytes: int) -> str:
     """The flag value that gives a GPU pool of at least ``blocks`` blocks."""
     if cfg.num_gpu_blocks is not None:
@@ -806,7 +811,7 @@ class Simulation:
             # Then waiting requests, while the budget lasts and the core admits them. vLLM allocates each
             # scheduled request's new blocks as it goes: what the step takes is not free for the next admission.
             refused_now = False
-            claimed = sum(-(-(r.computed + n) // bt) - -(-r.computed // bt) for r, n in sched)
+            claimed = sum(_new_pages(bt, r.computed, n) for r, n in sched)
             while waiting and budget > 0 and not gated and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
                 isl_need, isl_free = self._isl_blocks(r), m.stats()["gpu_free"] - claimed
@@ -853,7 +858,7 @@ class Simulation:
                     if chunk > 0:
                         sched.append((r, chunk))
                         budget -= chunk
-                        claimed += -(-(r.computed + chunk) // bt) - -(-r.computed // bt)
+                        claimed += _new_pages(bt, r.computed, chunk)
             if not sched:
                 # Nothing can run now: jump to the next event.
                 pending = [r.ready_t for r in running if r.ready_t > now]
