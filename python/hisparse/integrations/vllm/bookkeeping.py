@@ -175,8 +175,9 @@ class Bookkeeping(HiSparseCoordinator):
                      in enumerate(pools.single_type_managers) if id(manager) in by_manager]
         allocate, record = pools.allocate_new_blocks, self._recorder.allocated
 
-        def allocate_new_blocks(request_id: str, *args, **kwargs):
-            new_blocks = allocate(request_id, *args, **kwargs)
+        def allocate_new_blocks(request_id: str, num_tokens: int, num_tokens_main_model: int,
+                                num_encoder_tokens: int = 0):
+            new_blocks = allocate(request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
             if any(new_blocks):
                 record(request_id, new_blocks, group_ids)
             return new_blocks

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 class WholeRestores:
     """The requests restored whole (``requests``), and the wraps on vLLM's manager objects that give them
-    resident blocks instead of a hot region: ``KVCacheManager.allocate_slots`` decides at admission, the
-    resident managers count and fill every page, the hot managers count and allocate no region. Only these
-    instances' methods change, and only for the requests in ``requests``."""
+    resident blocks instead of a hot region: ``KVCacheManager.allocate_slots`` decides at admission and fills
+    every page, the KV cache coordinator's count asks a block for every page and none for a region, the hot
+    managers' admissions ask for no region. Only these instances' methods change, and only for the requests
+    in ``requests``."""
 
     def __init__(self, coordinator: Bookkeeping, kv_cache_manager: KVCacheManager,
                  is_short: Callable[[Any], bool]) -> None:
@@ -41,9 +42,9 @@ class WholeRestores:
         self.requests: set[str] = set()
         self.block_size = coordinator.resident_managers[0].block_size
         for manager in coordinator.hot_managers:
-            self._wrap_hot(manager)
-        for manager in coordinator.resident_managers:
-            self._wrap_resident(manager)
+            for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
+                self._wrap_admission(manager, name)
+        self._wrap_count(kv_cache_manager.coordinator)
         allocate = kv_cache_manager.allocate_slots
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
@@ -68,18 +69,6 @@ class WholeRestores:
     def _restorable(self, request, external: int, load_async: bool) -> bool:
         return (not external or load_async) and self.is_short(request)
 
-    def _wrap_hot(self, manager) -> None:
-        count, requests = manager.get_num_blocks_to_allocate, self.requests
-
-        def get_num_blocks_to_allocate(request_id: str, *args, **kwargs) -> int:
-            if request_id not in requests:
-                return count(request_id, *args, **kwargs)
-            return manager.get_num_required_blocks(request_id) if request_id in manager.hot_required else 0
-
-        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-        for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
-            self._wrap_admission(manager, name)
-
     def _wrap_admission(self, manager, name: str) -> None:
         """vLLM's admission methods of a hot manager ask for a region on any prefix hit: not for these."""
         method, requests = getattr(manager, name), self.requests
@@ -91,17 +80,39 @@ class WholeRestores:
 
         setattr(manager, name, admitted)
 
-    def _wrap_resident(self, manager) -> None:
-        count, requests, block_size = manager.get_num_blocks_to_allocate, self.requests, manager.block_size
+    def _wrap_count(self, pools) -> None:
+        """The KV cache coordinator's block count, asked for every scheduled request every step: vLLM's for
+        every request but these, and for these every page a block (the prefix's too) and no hot region. One
+        wrap for all groups, not one per manager: most requests pay one call, not one per group."""
+        count, requests = pools.get_num_blocks_to_allocate, self.requests
+        resident, hot = set(map(id, self.coordinator.resident_managers)), set(map(id, self.coordinator.hot_managers))
+        block_size = self.block_size
 
-        def get_num_blocks_to_allocate(request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        def get_num_blocks_to_allocate(request_id: str, num_tokens: int, new_computed_blocks, num_encoder_tokens: int,
+                                       total_computed_tokens: int, num_local_computed_tokens: int,
+                                       num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                       prefill_end: int = 0) -> int:
             if request_id not in requests:
-                return count(request_id, num_tokens, *args, **kwargs)
-            # Every page a block, the prefix's too. Filled at admission, the row never holds a null page:
-            # only a page released to the host is dropped, and a request without a region releases none.
-            return max(-(-num_tokens // block_size) - len(manager.req_to_blocks.get(request_id, ())), 0)
+                return count(request_id, num_tokens, new_computed_blocks, num_encoder_tokens, total_computed_tokens,
+                             num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+            if pools.retention_interval != 0:
+                prefill_end = 0
+            total = 0
+            for i, manager in enumerate(pools.single_type_managers):
+                if id(manager) in resident:
+                    # Filled at admission, the row never holds a null page: only a page released to the host
+                    # is dropped, and a request without a region releases none.
+                    total += max(-(-num_tokens // block_size) - len(manager.req_to_blocks.get(request_id, ())), 0)
+                elif id(manager) in hot:
+                    total += manager.get_num_required_blocks(request_id) if request_id in manager.hot_required else 0
+                else:  # vLLM's (a HiSparse model has no cross-attention group)
+                    total += manager.get_num_blocks_to_allocate(
+                        request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=apply_admission_cap,
+                        prefill_end=prefill_end)
+            return total
 
-        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        pools.get_num_blocks_to_allocate = get_num_blocks_to_allocate
 
     def _fill(self, request_id: str) -> None:
         """Gives each null page of the request's resident rows (its prefix, on the host only) a block of its
