@@ -103,7 +103,7 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     sizes = dict(num_gpu_blocks=64, num_host_blocks=64, block_size=16, max_model_len=512, max_running=4, top_k=32)
     for arg in ("num_gpu_blocks", "num_host_blocks", "block_size", "max_model_len", "max_running", "top_k",
                 "hot_rows", "speculative_tokens", "num_index_groups", "tail_pages", "watermark", "materialize_budget",
-                "page_bytes"):
+                "admission_pages", "page_bytes"):
         # page_bytes is a byte count (u64): large values are refused by the configuration, not the type.
         for bad in NOT_INTS + (NOT_U64 + [2**41, 2**63] if arg == "page_bytes" else NOT_U32):
             if bad is None and arg not in ("num_gpu_blocks", "max_model_len"):

@@ -276,16 +276,18 @@ def test_a_request_is_admitted_only_when_its_whole_sequence_fits_as_vllm_does():
 @pytest.mark.parametrize("policy", ["coldest", "fifo"])
 def test_growing_4k_conversations_run_more_than_plain_residency(policy):
     """13 turns from a 4K-token prompt (up to ~16K tokens) at concurrency 64: hisparse tiers requests (a buffer
-    of 10,240 rows over such short histories misses little) and runs more requests than offload. Its tokens per
-    second stay within a few per cent of offload's, not above: a tiered turn reads its host-only history over the
-    link inside the steps (its prefill reads all of it), where offload restores the same bytes beside them."""
+    of 10,240 rows over such short histories misses little) and runs more requests than offload, and more
+    tokens per second. A returning turn never fills its admission window, so it comes back restored whole
+    before it runs, as offload restores it, instead of reading its host-only history over the link inside the
+    steps: no prefill reads the host, and pressure tiers requests once they have run."""
     common = dict(concurrency=64, duration_s=90.0, first_turn_tokens=4096, arrival_spread_s=0.0)
     off = Simulation(SimConfig(mode="offload", **common)).run()
     his = Simulation(SimConfig(mode="hisparse", policy=policy, **common)).run()
-    assert his["mean_mixed"] > 0
+    assert his["mean_mixed"] > 0 and his["h2d_gb_by_kind"]["decode_miss"] > 0
     assert his["mean_running"] > off["mean_running"], (his["mean_running"], off["mean_running"])
-    assert his["output_tok_s"] > 0.95 * off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
-    assert off["h2d_gb_by_kind"]["relief"] == 0 and his["h2d_gb_by_kind"]["prefill_miss"] > 0
+    assert his["output_tok_s"] >= off["output_tok_s"], (his["output_tok_s"], off["output_tok_s"])
+    assert his["h2d_gb_by_kind"]["prefill_miss"] == 0 and his["h2d_gb_by_kind"]["restore"] > 0
+    assert off["h2d_gb_by_kind"]["relief"] == 0
 
 
 def test_cli_workload_model_and_gpu_flags(capsys):

@@ -116,10 +116,13 @@ class ResidencyManager:
         watermark: Int | None = None,
         policy: Policy | None = "coldest",
         materialize_budget: Int | None = 256,
+        admission_pages: Int | None = 0,
     ) -> None:
         """Give exactly one of ``num_host_blocks`` and ``host_pool_gib`` (with ``page_bytes``). ``hot_rows``
         defaults to 2 x top_k, or (q + 1) x top_k with q speculative tokens; ``watermark`` to one hot region or a
-        tenth of the pool. Raises ``ConfigError`` saying what to change."""
+        tenth of the pool; ``admission_pages`` (the resident pages admission reserves for a request) to none: a
+        request that never fills it comes back from the host restored whole when its blocks are free. Raises
+        ``ConfigError`` saying what to change."""
     def admit(
         self, request_id: Int, prompt_len: Int, prefix_hashes: Sequence[Int] | None = None, max_len: Int | None = None
     ) -> Admission:

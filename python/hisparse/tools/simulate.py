@@ -82,10 +82,12 @@ Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
     holds most of a short history misses little; :func:`hisparse.tools.locality.context_miss_rate`). A prefill
     chunk of T tokens over host-only history reads ``top_k x (1 + (T - 1) x (1 - overlap)) x f`` rows capped
     at the host-only history, all of them copied (they cannot stay in a 10K-row buffer).
-  * Restores at admission/resumption (tail pages, or every page for the offload baseline: the count the core's
-    ``Admission.restored_pages`` gives) and the indexer keys of host-only history run on the host link
-    asynchronously: the request runs, and counts as running, when they have landed (vLLM: a request whose KV the
-    connector loads waits in WAITING_FOR_REMOTE_KVS, holding its blocks).
+  * Restores at admission/resumption (tail pages; every page for the offload baseline, and for a hisparse request
+    that never fills its admission window of ``max_num_batched_tokens`` (the core's ``admission_pages``), whose
+    prefill would otherwise read its host-only history inside the steps: the count the core's
+    ``Admission.restored_pages`` gives) and the indexer keys of the pages not on the GPU (host-only history and
+    restored pages) run on the host link asynchronously: the request runs, and counts as running, when they
+    have landed (vLLM: a request whose KV the connector loads waits in WAITING_FOR_REMOTE_KVS, holding its blocks).
     Restores planned inside a step (relief back to full residency) delay that step.
   * Proactive copies to the host go over a 55 GB/s link in order and are reported to the core
     (``complete``) at the first step boundary after they end.
@@ -504,6 +506,7 @@ class Simulation:
             top_k=cfg.top_k, hot_rows=d.core_hot_rows, speculative_tokens=cfg.speculative_tokens,
             num_index_groups=cfg.index_groups, tail_pages=cfg.tail_pages, watermark=d.watermark,
             policy=cfg.core_policy, materialize_budget=cfg.materialize_budget,
+            admission_pages=self._admission_pages(),
         )
         # Common random numbers: every mode and policy at one (seed, concurrency) draws from the same stream, so
         # a difference between them is theirs, not the dice's (MTP acceptances, misses, the page heat's seed).
@@ -673,6 +676,14 @@ class Simulation:
         for rid, rows in zip(holders, share_rows(len(holders) * d.hot_rows, demand, lo, hi), strict=True):
             self.hot_alloc[rid] = rows
 
+    def _admission_pages(self) -> int:
+        """The resident pages admission reserves for a request: vLLM's HiSparse caps them at one admission
+        window of ``max_num_batched_tokens`` (``HiSparseResidentSpec.max_admission_blocks_per_request``); plain
+        residency has no window. A hisparse request that never fills it comes back from the host restored whole
+        (the core's ``Config::returns_resident``)."""
+        cfg = self.cfg
+        return -(-cfg.max_batched_tokens // cfg.block_tokens) if cfg.mode == "hisparse" else 0
+
     def _isl_blocks(self, r: _Req) -> int:
         """GPU blocks vLLM 0.33's scheduler wants free before it admits ``r``: its whole sequence so far
         (``SchedulerConfig.scheduler_reserve_full_isl``, default True: ``KVCacheManager.allocate_slots`` with
@@ -839,10 +850,13 @@ class Simulation:
                 r.target = r.prompt + r.generated
                 r.in_prefill = True
                 r.ran = False
-                # Restores (tail, or everything for the baseline) and the indexer keys of host-only history
-                # travel on the host link before the request can run (vLLM: WAITING_FOR_REMOTE_KVS, not running).
+                # Restores (the tail, or every page: the baseline, a request that never fills its admission
+                # window) and the indexer keys of every page not on the GPU (hisparse's host pages hold the MLA
+                # rows: those of its host-only history and of its restored pages) travel on the host link before
+                # the request can run (vLLM: WAITING_FOR_REMOTE_KVS, not running).
                 rbytes = a.restored_pages * d.host_page_bytes
-                ibytes = m.request_info(r.rid)["host_only_pages"] * d.indexer_page_bytes if tiers else 0
+                pages_in = m.request_info(r.rid)["host_only_pages"] + a.restored_pages
+                ibytes = pages_in * d.indexer_page_bytes if tiers else 0
                 h2d["restore"] += rbytes
                 h2d["indexer"] += ibytes
                 nbytes = rbytes + ibytes

@@ -72,6 +72,10 @@ pub struct Config {
     pub materialize_budget: u32,
     /// Bytes of one page for all layers, for stats and logs.
     pub page_bytes: u64,
+    /// Resident pages admission reserves for a request (vLLM's `max_admission_blocks_per_request`, one
+    /// window of `max_num_batched_tokens`); 0: none. A tiered request that never fills it comes back from the
+    /// host resident ([`Self::returns_resident`]).
+    pub admission_pages: u32,
 }
 
 impl Config {
@@ -125,6 +129,16 @@ impl Config {
         let pages = max_len.div_ceil(self.block_size.max(1)) as usize;
         let outside_tail = pages.saturating_sub(self.tail_pages as usize);
         self.policy.tiers() && worth_transition(outside_tail, 1, self.hot_blocks() as usize)
+    }
+
+    /// Whether a tiered request of `max_len` tokens that comes back from the host (a prefix hit, a
+    /// resumption) is restored whole rather than given a hot region: one that never fills its admission
+    /// window, which vLLM keeps resident until pressure makes a move pay (`PoolShape::transition`), as a
+    /// fresh request of that length runs. Admission already wants its window's blocks free; through a hot
+    /// region its prefill would read its host-only history over the host link inside its steps (a chunk's
+    /// selections together cover it), where restored whole the same bytes land before it runs.
+    pub fn returns_resident(&self, max_len: u32) -> bool {
+        max_len.div_ceil(self.block_size.max(1)) < self.admission_pages
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -209,6 +223,8 @@ pub struct Options {
     pub watermark: Option<u32>,
     pub policy: PressurePolicy,
     pub materialize_budget: u32,
+    /// Default 0: no admission window ([`Config::admission_pages`]).
+    pub admission_pages: u32,
 }
 
 impl Default for Options {
@@ -229,6 +245,7 @@ impl Default for Options {
             watermark: None,
             policy: PressurePolicy::Coldest,
             materialize_budget: 256,
+            admission_pages: 0,
         }
     }
 }
@@ -278,6 +295,7 @@ impl Options {
             policy: self.policy,
             materialize_budget: self.materialize_budget,
             page_bytes: self.page_bytes,
+            admission_pages: self.admission_pages,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -320,5 +338,6 @@ pub(crate) fn test_config(num_gpu_blocks: u32, num_host_blocks: u32) -> Config {
         policy: PressurePolicy::Coldest,
         materialize_budget: 64,
         page_bytes: 4096,
+        admission_pages: 0,
     }
 }

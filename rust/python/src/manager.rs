@@ -88,12 +88,16 @@ fn info_dict<'py>(py: Python<'py>, info: &RequestInfo) -> PyResult<Bound<'py, Py
 impl ResidencyManager {
     /// Validates the configuration and builds an empty manager. Give exactly one of `num_host_blocks` and
     /// `host_pool_gib` (with `page_bytes`). Defaults: `hot_rows` 2 x top_k, or (q + 1) x top_k with q
-    /// speculative tokens; `watermark` one hot region or a tenth of the pool, whichever is larger.
+    /// speculative tokens; `watermark` one hot region or a tenth of the pool, whichever is larger;
+    /// `admission_pages` (the resident pages admission reserves for a request, vLLM's
+    /// `max_admission_blocks_per_request`) 0: none. A request that never fills it comes back from the host
+    /// restored whole when its blocks are free, instead of reading its history through a hot region.
     #[new]
     #[pyo3(signature = (
         *, num_gpu_blocks, max_model_len, block_size = None, num_host_blocks = None, host_pool_gib = None,
         page_bytes = None, max_running = None, top_k = None, hot_rows = None, speculative_tokens = None,
-        num_index_groups = None, tail_pages = None, watermark = None, policy = None, materialize_budget = None
+        num_index_groups = None, tail_pages = None, watermark = None, policy = None, materialize_budget = None,
+        admission_pages = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -112,6 +116,7 @@ impl ResidencyManager {
         watermark: Option<&Bound<'_, PyAny>>,
         policy: Option<&Bound<'_, PyAny>>,
         materialize_budget: Option<&Bound<'_, PyAny>>,
+        admission_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let d = Options::default();
         let policy = match policy.filter(|p| !p.is_none()) {
@@ -145,6 +150,7 @@ impl ResidencyManager {
             policy,
             materialize_budget: args::opt_int(materialize_budget, "materialize_budget")?
                 .unwrap_or(d.materialize_budget),
+            admission_pages: args::opt_int(admission_pages, "admission_pages")?.unwrap_or(d.admission_pages),
         };
         let cfg = options.build().py()?;
         Ok(ResidencyManager { inner: Mutex::new(Core::new(cfg).py()?) })
@@ -364,6 +370,7 @@ impl ResidencyManager {
         d.set_item("policy", c.policy.name())?;
         d.set_item("materialize_budget", c.materialize_budget)?;
         d.set_item("page_bytes", c.page_bytes)?;
+        d.set_item("admission_pages", c.admission_pages)?;
         Ok(d)
     }
 }

@@ -7,7 +7,8 @@ impl ResidencyManager {
     /// Admits a request of `prompt_len` tokens whose full pages hash to `prefix_hashes` (a hash chain: each
     /// page's hash covers everything before it). Pages found durably on the host are not recomputed: they
     /// start host-only (adopting a still-readable GPU copy when one exists), and the request holds a hot
-    /// region from the start. Refuses, naming the resource, when the request cannot be backed.
+    /// region from the start, unless it comes back resident ([`Config::returns_resident`]): then they are
+    /// restored whole. Refuses, naming the resource, when the request cannot be backed.
     pub fn admit(
         &mut self,
         id: u64,
@@ -69,6 +70,7 @@ impl ResidencyManager {
             hot: None,
             releasable: Releasable::default(),
             released: 0,
+            unread: false,
         };
         self.requests.insert(id, request);
         match self.start_running(id) {
@@ -98,7 +100,8 @@ impl ResidencyManager {
     }
 
     /// Gives a request (admitted or preempted, all pages host-only) a row, adopts GPU copies still
-    /// readable, restores its tail and leases its hot region. All or nothing.
+    /// readable, restores its tail and leases its hot region (or restores every page, when it is not tiered
+    /// or comes back resident with the blocks free). All or nothing.
     pub(super) fn start_running(&mut self, id: u64) -> Result<Admission> {
         let max_len = self.req(id)?.max_len;
         let tiered = self.cfg.tiered(max_len);
@@ -138,15 +141,18 @@ impl ResidencyManager {
             .filter_map(|(i, p)| Some((i as u32, self.pool.lookup(p.hash?)?)))
             .collect();
         let adopted: IdSet<u32> = adopt.iter().map(|&(p, _)| p).collect();
-        // Without tiers everything comes back whole; with them the tail, and the rest reads through hot rows.
-        let restore_from = if tiered { tail_start } else { 0 };
-        let restores = (restore_from..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
-        let needs_hot = (0..restore_from as u32).any(|p| !adopted.contains(&p));
-        let needed = restores + if needs_hot { self.hot_cost() } else { 0 };
         // Adopted blocks leave the free list: take them out of the count before reclaiming.
         for &(_, b) in &adopt {
             self.pool.pin(b);
         }
+        // Without tiers everything comes back whole, and so does a request that never fills its admission
+        // window when its blocks are free now; otherwise the tail, and the rest reads through hot rows.
+        let whole = (0..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
+        let resident = self.cfg.returns_resident(max_len) && whole <= self.pool.num_free();
+        let restore_from = if tiered && !resident { tail_start } else { 0 };
+        let restores = (restore_from..n).filter(|&p| !adopted.contains(&(p as u32))).count() as u32;
+        let needs_hot = (0..restore_from as u32).any(|p| !adopted.contains(&p));
+        let needed = restores + if needs_hot { self.hot_cost() } else { 0 };
         let missing = self.reclaim(needed, &[], &[])?;
         if missing > 0 {
             for &(_, b) in &adopt {
@@ -164,7 +170,9 @@ impl ResidencyManager {
         }
         self.free_rows.pop();
         self.gpu_reserved += footprint;
-        self.req_mut(id)?.status = Status::Running { row };
+        let r = self.req_mut(id)?;
+        r.status = Status::Running { row };
+        r.unread = tiered && restore_from == 0 && restores > 0;
         self.pending.seq_lens.push(id);
         self.pending.hot_rows.push(id);
         // The row is fresh: every page's entry goes out, host-only ones included.

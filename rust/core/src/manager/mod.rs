@@ -55,6 +55,9 @@ struct Request {
     releasable: Releasable,
     host_only: u32,
     released: u32,
+    /// Restored whole when it came back and not scheduled since: no step has read the restored pages yet, so
+    /// pressure does not move it to a hot region (releasing them would throw the restores away).
+    unread: bool,
 }
 
 impl Request {

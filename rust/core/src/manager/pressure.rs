@@ -162,6 +162,7 @@ impl ResidencyManager {
             let r = &self.requests[id];
             !done.contains(id)
                 && r.hot.is_none()
+                && !r.unread
                 && r.row().is_some()
                 && worth_transition(r.releasable.len(), 1, hot_cost)
         };

@@ -94,6 +94,7 @@ impl ResidencyManager {
         // Pages that just left the tail may now be released (and the worker's flag says so).
         let r = self.requests.get_mut(&id).expect("checked above");
         r.seq_len = new_len;
+        r.unread = false;
         for page in old_pages.saturating_sub(tail) as u32..new_pages.saturating_sub(tail) as u32 {
             if r.is_releasable(page, tail as u32) && r.releasable.set(page, true) {
                 self.pending.pages.push((id, page));

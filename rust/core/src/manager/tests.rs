@@ -308,9 +308,11 @@ proptest! {
         host in 16..96u32,
         policy in prop::sample::select(vec![PressurePolicy::Coldest, PressurePolicy::Fifo, PressurePolicy::Resident]),
         ops in prop::collection::vec(op(), 1..80),
+        admission_pages in prop::sample::select(vec![0u32, 8, 17]),
     ) {
         let mut cfg = test_config(gpu, host);
         cfg.policy = policy;
+        cfg.admission_pages = admission_pages;
         run(cfg, ops);
     }
 }
@@ -420,6 +422,45 @@ fn prefix_from_host_starts_with_no_residency_and_adopts_gpu_copies() {
     );
     assert_eq!(m.request_info(4).unwrap().hot_blocks, 0);
     m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_request_that_never_fills_its_admission_window_comes_back_restored_whole() {
+    let mut cfg = test_config(24, 64);
+    // max_model_len 64 is 16 pages of 4 tokens: no request fills a window of 17.
+    cfg.admission_pages = 17;
+    let mut m = ResidencyManager::new(cfg).unwrap();
+    let hashes: Vec<u64> = (1..=5).collect();
+    publish_and_finish(&mut m, 1, &hashes);
+    let a = admit_from_host_only_prefix(&mut m, 4, &hashes);
+    assert_eq!((a.cached_tokens, a.residency, a.restored_pages), (20, Residency::Full, 5));
+    assert_eq!(m.request_info(4).unwrap().hot_blocks, 0);
+    // Before it has run, pressure does not move it to a hot region: 18 blocks are free, the step takes 17
+    // and the watermark asks for 2 more, and only its restored pages could be released.
+    m.admit(6, 60, &[], None).unwrap();
+    m.admit(7, 8, &[], None).unwrap();
+    let plan = m.plan_step(&[(6, 60), (7, 8)]).unwrap();
+    assert!(!plan.is_short());
+    assert_eq!(plan.restores.len(), 5);
+    let info = m.request_info(4).unwrap();
+    assert_eq!((info.released_pages, info.host_only_pages, info.hot_blocks), (0, 0, 0));
+    m.check_invariants().unwrap();
+    // Nor in the step that first reads them (the last free block takes its next page).
+    assert!(!m.plan_step(&[(4, 1)]).unwrap().is_short());
+    assert_eq!(m.request_info(4).unwrap().hot_blocks, 0);
+    // Once it has run, it is a resident request like any other: the next pressure moves it.
+    assert!(!m.plan_step(&[(4, 1), (6, 1)]).unwrap().is_short());
+    assert_eq!(m.request_info(4).unwrap().hot_blocks, 2);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_window_of_no_pages_keeps_a_returning_request_tiered() {
+    let mut m = small();
+    let hashes: Vec<u64> = (1..=5).collect();
+    publish_and_finish(&mut m, 1, &hashes);
+    let a = admit_from_host_only_prefix(&mut m, 4, &hashes);
+    assert_eq!((a.residency, a.restored_pages), (Residency::None, 2));
 }
 
 #[test]
