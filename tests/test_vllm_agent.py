@@ -299,8 +299,11 @@ def test_short_later_turns_restored_whole_read_every_byte_right():
         stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3)
         counters = _children(setup)["hisparse.HiSparseConnector"].coordinator.counters
         # Each turn's prefix is at least its first turn's 2,000 tokens: its pages but the tail (which vLLM's
-        # import restores itself) and a page the hit may stop short of.
-        assert counters["restored_whole"] == 6 and counters["pages_restored"] >= 6 * (2000 // H.BLOCK - 2)
+        # import restores itself) and a page the hit may stop short of, each restored from the host or, where
+        # vLLM still holds its GPU copy, adopted (read in place, no block of its own).
+        assert counters["restored_whole"] == 6
+        assert counters["pages_restored"] + counters["pages_adopted"] >= 6 * (2000 // H.BLOCK - 2)
+        assert counters["pages_adopted"] > 0 and counters["pages_restored"] > 0
         assert stats.tier_blocks_loaded > 0, "some prefixes came back from the offloading tier"
         assert stats.rows_from_host == 0 and stats.host_only_prefix_admissions == 0 and stats.preemptions == 0
         _assert_all_freed(setup, worker)

@@ -5,10 +5,11 @@ vLLM 0.33 gives every request that starts from a prefix hit a hot region (``HiSp
 160 blocks in each of 21 hot groups, 3,360 blocks, more than twice a 4K-token request's whole context, so a
 workload of short multi-turn conversations runs a request or two at a time where vLLM with an offloading
 connector alone runs five (``benches/vllm_agent.py --workload short``). A request too short ever to take a hot
-region (``PoolShape::never_takes_hot_region``) is instead given a resident block for every page of its prefix,
-which the worker fills from the page's host block before the forward that first reads it: vLLM's own restore
-transfer (``SparseKVPageTransfer.restore``, which vLLM uses for an imported tail page). The request then runs
-as any resident request does.
+region (``PoolShape::never_takes_hot_region``) is instead given a resident block for every page of its prefix:
+the GPU copy of the page vLLM still holds, adopted as vLLM adopts copies for a request it gives a hot region,
+or else a block of its own, which the worker fills from the page's host block before the forward that first
+reads it: vLLM's own restore transfer (``SparseKVPageTransfer.restore``, which vLLM uses for an imported tail
+page). The request then runs as any resident request does.
 
 - A local hit (host pages the HiSparse host group holds) is restored in the step that admits it.
 - An external load (the offloading connector's, asynchronous unless ``sync_load_budget_bytes`` is set) is
@@ -40,6 +41,8 @@ class WholeRestores:
         self.coordinator = coordinator
         self.is_short = is_short
         self.requests: set[str] = set()
+        # Pages of each that ``_fill`` gave a block of its own and ``restore`` has not planned yet.
+        self._unrestored: dict[str, set[int]] = {}
         self.block_size = coordinator.resident_managers[0].block_size
         for manager in coordinator.hot_managers:
             for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
@@ -60,8 +63,7 @@ class WholeRestores:
                 self.requests.discard(request_id)
                 return None
             self.coordinator.counters["restored_whole"] += 1
-            self._fill(request_id)
-            self.restore(request_id, local // self.block_size)
+            self._fill(request_id, local // self.block_size)
             return blocks
 
         kv_cache_manager.allocate_slots = allocate_slots
@@ -114,26 +116,42 @@ class WholeRestores:
 
         pools.get_num_blocks_to_allocate = get_num_blocks_to_allocate
 
-    def _fill(self, request_id: str) -> None:
-        """Gives each null page of the request's resident rows (its prefix, on the host only) a block of its
-        own, which ``get_num_blocks_to_allocate`` counted."""
-        recorder = self.coordinator._recorder
-        for group, manager in enumerate(self.coordinator.resident_managers):
+    def _fill(self, request_id: str, num_pages: int) -> None:
+        """Gives each null page of the request's resident rows (its prefix, on the host only) a resident block:
+        the GPU copy vLLM still holds of the page (``_adopt_copies``, as vLLM does for a request it gives a
+        hot region; shared and pinned, it costs no block and no host read) or a block of its own, which
+        ``get_num_blocks_to_allocate`` counted and ``restore`` fills from the host (the first ``num_pages``
+        now; an external load's once it completes)."""
+        coordinator = self.coordinator
+        host_blocks = coordinator.host_manager.req_to_blocks.get(request_id, ())
+        coordinator._adopt_copies(request_id, coordinator._get_request_state(request_id), host_blocks)
+        first = coordinator.resident_managers[0]
+        coordinator.counters["pages_adopted"] += sum(
+            1 for page, block in enumerate(first.req_to_blocks[request_id])
+            if block.is_null and first.get_resident_page(request_id, page) is not None)
+        recorder = coordinator._recorder
+        filled: set[int] = set()
+        for group, manager in enumerate(coordinator.resident_managers):
             row = manager.req_to_blocks[request_id]
-            nulls = [page for page, block in enumerate(row) if block.is_null]
-            if not nulls:
-                continue
-            for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
-                row[page] = block
+            nulls = [page for page in range(len(row)) if manager.get_resident_page(request_id, page) is None]
+            if nulls:
+                for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
+                    row[page] = block
+                filled.update(nulls)
             if recorder is not None:
                 recorder.reread(request_id, manager, group)
+        self._unrestored[request_id] = filled
+        self.restore(request_id, num_pages)
 
     def restore(self, request_id: str, num_pages: int) -> None:
-        """Plans the restore of the request's first ``num_pages`` pages from their host blocks (a page already
-        being copied is not planned twice)."""
+        """Plans the restore from their host blocks of the pages among the request's first ``num_pages`` that
+        ``_fill`` gave blocks of their own (a page already being copied is not planned twice)."""
         plan, counters = self.coordinator._plan_page_transfer, self.coordinator.counters
-        for page in range(num_pages):
+        unrestored = self._unrestored.get(request_id, set())
+        for page in sorted(p for p in unrestored if p < num_pages):
+            unrestored.discard(page)
             counters["pages_restored"] += plan(request_id, page, after_forward=False, restore=True)
 
     def forget(self, request_id: str) -> None:
         self.requests.discard(request_id)
+        self._unrestored.pop(request_id, None)
