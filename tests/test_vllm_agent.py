@@ -311,6 +311,30 @@ def test_short_later_turns_restored_whole_read_every_byte_right():
         H.TOP_K = top_k
 
 
+def test_short_turns_restored_whole_through_preemptions_and_aborts():
+    """Whole restores (GPU copies adopted, the rest restored from the host) in a pool small enough that vLLM
+    preempts, with half the later turns aborted three tokens in: every row read is right, nothing is read
+    from the host, and every block, restore and transfer is given back."""
+    top_k = H.TOP_K
+    H.TOP_K = 2048
+    try:
+        setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=0.95, max_model_len=4096, num_spec_tokens=3,
+                        async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
+        worker = H.FakeWorker(setup, layers=[0, 42])
+        jobs, then = H.conversations(16, 300, first=2000, later=900, output=400, turns=2)
+        aborts = {f"c{c}-t1": 3 for c in range(0, 16, 2)}
+        stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts)
+        coordinator = _children(setup)["hisparse.HiSparseConnector"].coordinator
+        assert stats.preemptions > 0 and stats.aborted == len(aborts), (stats.preemptions, stats.aborted)
+        assert coordinator.counters["restored_whole"] > len(aborts) and coordinator.counters["pages_restored"] > 0
+        assert stats.rows_from_host == 0
+        assert not coordinator.request_states and not coordinator.pending_spills
+        assert not coordinator.restores.requests and not coordinator.restores._unrestored
+        _assert_all_freed(setup, worker)
+    finally:
+        H.TOP_K = top_k
+
+
 @pytest.mark.parametrize("mode", ["native", "fifo"])
 def test_a_synchronous_load_restores_the_import_tail_before_the_forward_reads_it(mode):
     """A later turn whose indexer keys the offloading tier loads synchronously (within vLLM's

@@ -123,8 +123,9 @@ class WholeRestores:
         ``get_num_blocks_to_allocate`` counted and ``restore`` fills from the host (the first ``num_pages``
         now; an external load's once it completes)."""
         coordinator = self.coordinator
+        state = coordinator._get_request_state(request_id)
         host_blocks = coordinator.host_manager.req_to_blocks.get(request_id, ())
-        coordinator._adopt_copies(request_id, coordinator._get_request_state(request_id), host_blocks)
+        coordinator._adopt_copies(request_id, state, host_blocks[: state.pages_to_adopt])  # the committed prefix
         first = coordinator.resident_managers[0]
         coordinator.counters["pages_adopted"] += sum(
             1 for page, block in enumerate(first.req_to_blocks[request_id])
