@@ -231,6 +231,39 @@ def test_multi_turn_agents_in_the_published_shape_with_preemptions():
     _assert_all_freed(setup, worker)
 
 
+def test_later_turns_loaded_back_beside_hisparse_are_admitted_as_the_prefix_hits_they_are(monkeypatch):
+    """The published shape scaled down (GLM-5.3, MTP 3, async, top-K 128, the offloading connector beside
+    hisparse), 20 conversations of 6 turns in a pool that holds about a third of them. ``MultiConnector``
+    asks hisparse first, so a later turn whose indexer keys left the GPU has no local hit yet; the offloading
+    connector then loads them back up to the prefix HiSparse's host pool holds. Counted as that hit
+    (``HisparseCoordinator.loadable_prefix``) rather than as a whole new prefill, fewer admissions wait and
+    the run takes no more steps, with no preemption and every row read right."""
+    from hisparse.integrations.vllm.coordinator import HisparseCoordinator
+
+    top_k = H.TOP_K
+    H.TOP_K = 128
+    try:
+        def run():
+            setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.2, max_model_len=8875, num_spec_tokens=3,
+                            host_pool_gib=24, async_scheduling=True, max_num_seqs=256, max_num_batched_tokens=2048,
+                            offload_gib=1.0)
+            worker = H.FakeWorker(setup, layers=[0, 42], completion_lag=1)
+            jobs, then = H.conversations(20, 100, first=4635, later=47, output=56, turns=6)
+            stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3)
+            assert stats.preemptions == 0 and stats.tier_blocks_loaded > 0
+            _assert_all_freed(setup, worker)
+            return stats, _children(setup)["hisparse.HiSparseConnector"].coordinator.counters
+
+        counting, counters = run()
+        monkeypatch.setattr(HisparseCoordinator, "loadable_prefix", lambda self, request: 0)
+        local_only, local_counters = run()
+        assert counters["admissions_counting_loads"] > 0 and not local_counters["admissions_counting_loads"]
+        assert counters["admissions_deferred"] < local_counters["admissions_deferred"], (counters, local_counters)
+        assert len(counting.running_samples) <= len(local_only.running_samples)
+    finally:
+        H.TOP_K = top_k
+
+
 def test_the_short_end_on_glm53s_layout_later_turns_are_restored_whole():
     """The short end of the published shape (``benches/vllm_agent.py --workload short``, smaller): GLM-5.3's
     layout at the published top-K (a 160-block hot region per group, 3,360 blocks in all), MTP 3, async, 1 GiB

@@ -210,6 +210,10 @@ class Bookkeeping(HiSparseCoordinator):
         """vLLM admits every request it can allocate for (``coordinator.HisparseCoordinator.admit``)."""
         return True
 
+    def loadable_prefix(self, request: Any) -> int:
+        """vLLM's admission counts only the local prefix hit (``coordinator.HisparseCoordinator``'s)."""
+        return 0
+
     def report_heat(self, report: Any) -> None:
         """vLLM's release order ignores selection heat."""
 

@@ -221,9 +221,13 @@ class HiSparseConnector(VllmHiSparseConnector):
             # vLLM ignores the answer for a request that reads no prefix cache (prompt_logprobs,
             # scheduler.py:1143): it starts now whatever we say, and the refusal still holds the queue behind it.
             can_wait = not request.skip_reading_prefix_cache
-            if not self.coordinator.admit(request.request_id, request.num_tokens, num_computed_tokens,
-                                          self._admission_tokens, can_wait=can_wait,
-                                          longest=longest_tokens(request)) and can_wait:
+            coordinator = self.coordinator
+            computed = num_computed_tokens
+            if can_wait and (loadable := coordinator.loadable_prefix(request)) > computed:
+                computed = loadable  # loaded back beside us (``HisparseCoordinator.loadable_prefix``)
+                coordinator.counters["admissions_counting_loads"] += 1
+            if not coordinator.admit(request.request_id, request.num_tokens, computed, self._admission_tokens,
+                                     can_wait=can_wait, longest=longest_tokens(request)) and can_wait:
                 return None, False
         return 0, False
 

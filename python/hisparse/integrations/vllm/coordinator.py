@@ -26,6 +26,8 @@ the decisions that are policy (package docstring):
                       transitions, so requests worth moving free room for the waiting one, and the rest of
                       the queue waits behind it (vLLM's first come, first served). A request too short ever
                       to take a hot region is counted without one, its prefix hit as resident pages.
+                      Once a connector beside hisparse has loaded into the host pool, the prefix the pool
+                      holds counts as a hit (``loadable_prefix``): that connector loads the rest back.
 ``bind``              (new) a short request admitted on a prefix hit is restored whole to resident pages
                       (``restore.WholeRestores``) where vLLM gives it a hot region.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
@@ -80,14 +82,37 @@ class HisparseCoordinator(Bookkeeping):
         self._deferred = False
         # Short requests admitted on a prefix hit, restored whole rather than given a hot region (bind).
         self.restores: WholeRestores | None = None
+        # vLLM's KV cache coordinator (bind), and whether a connector has loaded into the host pool yet.
+        self._pools = None
+        self._external_loads = False
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind(kv_cache_manager)
+        self._pools = kv_cache_manager.coordinator
         if self.resident_managers and self.hot_managers and self._recorder is not None:
             self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
 
     def _is_short(self, request) -> bool:
         return self._never_takes_hot_region(longest_tokens(request))
+
+    def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
+        super().record_pending_host_import(request_id, num_tokens)
+        self._external_loads = True
+
+    def loadable_prefix(self, request) -> int:
+        """The tokens of ``request``'s prefix HiSparse's host pool holds, once another connector has loaded
+        into the pool (vLLM's ``OffloadingConnector`` beside HiSparse loads back the groups HiSparse does not
+        hold, the indexer keys, up to that prefix: ``_max_loadable_tokens``); 0 before, or with no such hit.
+        ``MultiConnector`` asks hisparse first, so a later turn whose indexer keys left the GPU reaches
+        :meth:`admit` with no local hit, and would be counted as a whole new prefill (two admission windows of
+        resident pages) where it needs a hot region, its indexer blocks and its new pages. Not looked up once
+        this step has deferred an admission: every later one waits behind it whatever it counts."""
+        if self._deferred or not self._external_loads or not request.block_hashes or self.host_group_id is None:
+            return 0
+        find = getattr(self._pools, "find_longest_cache_hit_per_group", None)
+        if find is None:
+            return 0
+        return find(request.block_hashes, request.num_tokens - 1)[1][self.host_group_id]
 
     def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
         super().complete_host_import(request_id, num_computed_tokens)
