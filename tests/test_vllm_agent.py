@@ -317,55 +317,49 @@ def test_the_short_end_on_glm53s_layout_later_turns_are_restored_whole():
         H.TOP_K = top_k
 
 
-def test_short_later_turns_restored_whole_read_every_byte_right():
+def _short_turns(monkeypatch, gpu_gib: float, n: int, output: int, aborts: dict[str, int] | None = None):
+    """``n`` conversations of two short turns (2,000 tokens, then 900 more) on GLM-5.3's layout at the
+    published top-K, MTP 3, async, beside the offloading connector, every row read checked: the setup, the
+    worker, the run's stats and hisparse's coordinator."""
+    monkeypatch.setattr(H, "TOP_K", 2048)
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=gpu_gib, max_model_len=4096, num_spec_tokens=3,
+                    async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
+    worker = H.FakeWorker(setup, layers=[0, 42])
+    jobs, then = H.conversations(n, 300, first=2000, later=900, output=output, turns=2)
+    stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts)
+    return setup, worker, stats, _children(setup)["hisparse.HiSparseConnector"].coordinator
+
+
+def test_short_later_turns_restored_whole_read_every_byte_right(monkeypatch):
     """Short later turns restored whole from both sources, every row read checked: prefixes HiSparse's host
     pool holds (restored in the step that admits them) and prefixes whose indexer keys the offloading tier
     loads back asynchronously (restored once the load completes, before the request runs). Nothing is read
     from the host afterwards, and no request is preempted."""
-    top_k = H.TOP_K
-    H.TOP_K = 2048
-    try:
-        setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.0, max_model_len=4096, num_spec_tokens=3,
-                        async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
-        worker = H.FakeWorker(setup, layers=[0, 42])
-        jobs, then = H.conversations(6, 300, first=2000, later=900, output=48, turns=2)
-        stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3)
-        counters = _children(setup)["hisparse.HiSparseConnector"].coordinator.counters
-        # Each turn's prefix is at least its first turn's 2,000 tokens: its pages but the tail (which vLLM's
-        # import restores itself) and a page the hit may stop short of, each restored from the host or, where
-        # vLLM still holds its GPU copy, adopted (read in place, no block of its own).
-        assert counters["restored_whole"] == 6
-        assert counters["pages_restored"] + counters["pages_adopted"] >= 6 * (2000 // H.BLOCK - 2)
-        assert counters["pages_adopted"] > 0 and counters["pages_restored"] > 0
-        assert stats.tier_blocks_loaded > 0, "some prefixes came back from the offloading tier"
-        assert stats.rows_from_host == 0 and stats.host_only_prefix_admissions == 0 and stats.preemptions == 0
-        _assert_all_freed(setup, worker)
-    finally:
-        H.TOP_K = top_k
+    setup, worker, stats, coordinator = _short_turns(monkeypatch, gpu_gib=1.0, n=6, output=48)
+    counters = coordinator.counters
+    # Each turn's prefix is at least its first turn's 2,000 tokens: its pages but the tail (which vLLM's
+    # import restores itself) and a page the hit may stop short of, each restored from the host or, where
+    # vLLM still holds its GPU copy, adopted (read in place, no block of its own).
+    assert counters["restored_whole"] == 6
+    assert counters["pages_restored"] + counters["pages_adopted"] >= 6 * (2000 // H.BLOCK - 2)
+    assert counters["pages_adopted"] > 0 and counters["pages_restored"] > 0
+    assert stats.tier_blocks_loaded > 0, "some prefixes came back from the offloading tier"
+    assert stats.rows_from_host == 0 and stats.host_only_prefix_admissions == 0 and stats.preemptions == 0
+    _assert_all_freed(setup, worker)
 
 
-def test_short_turns_restored_whole_through_preemptions_and_aborts():
+def test_short_turns_restored_whole_through_preemptions_and_aborts(monkeypatch):
     """Whole restores (GPU copies adopted, the rest restored from the host) in a pool small enough that vLLM
     preempts, with half the later turns aborted three tokens in: every row read is right, nothing is read
     from the host, and every block, restore and transfer is given back."""
-    top_k = H.TOP_K
-    H.TOP_K = 2048
-    try:
-        setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=0.95, max_model_len=4096, num_spec_tokens=3,
-                        async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
-        worker = H.FakeWorker(setup, layers=[0, 42])
-        jobs, then = H.conversations(16, 300, first=2000, later=900, output=400, turns=2)
-        aborts = {f"c{c}-t1": 3 for c in range(0, 16, 2)}
-        stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts)
-        coordinator = _children(setup)["hisparse.HiSparseConnector"].coordinator
-        assert stats.preemptions > 0 and stats.aborted == len(aborts), (stats.preemptions, stats.aborted)
-        assert coordinator.counters["restored_whole"] > len(aborts) and coordinator.counters["pages_restored"] > 0
-        assert stats.rows_from_host == 0
-        assert not coordinator.request_states and not coordinator.pending_spills
-        assert not coordinator.restores.requests and not coordinator.restores._unrestored
-        _assert_all_freed(setup, worker)
-    finally:
-        H.TOP_K = top_k
+    aborts = {f"c{c}-t1": 3 for c in range(0, 16, 2)}
+    setup, worker, stats, coordinator = _short_turns(monkeypatch, gpu_gib=0.95, n=16, output=400, aborts=aborts)
+    assert stats.preemptions > 0 and stats.aborted == len(aborts), (stats.preemptions, stats.aborted)
+    assert coordinator.counters["restored_whole"] > len(aborts) and coordinator.counters["pages_restored"] > 0
+    assert stats.rows_from_host == 0
+    assert not coordinator.request_states and not coordinator.pending_spills
+    assert not coordinator.restores.requests and not coordinator.restores._unrestored
+    _assert_all_freed(setup, worker)
 
 
 @pytest.mark.parametrize("mode", ["native", "fifo"])
