@@ -282,11 +282,11 @@ def test_a_request_vllm_starts_regardless_holds_the_queue_behind_it(monkeypatch)
     started_anyway: list[str] = []
     admit, build_meta = coord.admit, connector.build_connector_meta
 
-    def recording_admit(request_id, *args, can_wait=True, **kwargs):
-        ok = admit(request_id, *args, can_wait=can_wait, **kwargs)
-        assert can_wait == (request_id not in forced)
+    def recording_admit(request, *args, can_wait=True, **kwargs):
+        ok = admit(request, *args, can_wait=can_wait, **kwargs)
+        assert can_wait == (request.request_id not in forced)
         if not ok and can_wait:
-            told_to_wait.add(request_id)
+            told_to_wait.add(request.request_id)
         return ok
 
     def checking_build_meta(so):

@@ -205,14 +205,9 @@ class Bookkeeping(HiSparseCoordinator):
 
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
 
-    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-              can_wait: bool = True, longest: int | None = None) -> bool:
+    def admit(self, request: Any, num_computed_tokens: int, admission_tokens: int, can_wait: bool = True) -> bool:
         """vLLM admits every request it can allocate for (``coordinator.HisparseCoordinator.admit``)."""
         return True
-
-    def loadable_prefix(self, request: Any) -> int:
-        """vLLM's admission counts only the local prefix hit (``coordinator.HisparseCoordinator``'s)."""
-        return 0
 
     def report_heat(self, report: Any) -> None:
         """vLLM's release order ignores selection heat."""

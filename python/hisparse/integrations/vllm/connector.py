@@ -38,7 +38,7 @@ from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
 from ...heat import HeatOptions  # noqa: E402
-from .coordinator import POLICIES, build_coordinator, longest_tokens  # noqa: E402
+from .coordinator import POLICIES, build_coordinator  # noqa: E402
 from .heat import HeatReport, SelectionHeat  # noqa: E402
 
 #: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest
@@ -221,13 +221,8 @@ class HiSparseConnector(VllmHiSparseConnector):
             # vLLM ignores the answer for a request that reads no prefix cache (prompt_logprobs,
             # scheduler.py:1143): it starts now whatever we say, and the refusal still holds the queue behind it.
             can_wait = not request.skip_reading_prefix_cache
-            coordinator = self.coordinator
-            computed = num_computed_tokens
-            if can_wait and (loadable := coordinator.loadable_prefix(request)) > computed:
-                computed = loadable  # loaded back beside us (``HisparseCoordinator.loadable_prefix``)
-                coordinator.counters["admissions_counting_loads"] += 1
-            if not coordinator.admit(request.request_id, request.num_tokens, computed, self._admission_tokens,
-                                     can_wait=can_wait, longest=longest_tokens(request)) and can_wait:
+            if not self.coordinator.admit(request, num_computed_tokens, self._admission_tokens,
+                                          can_wait=can_wait) and can_wait:
                 return None, False
         return 0, False
 

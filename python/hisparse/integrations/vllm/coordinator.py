@@ -105,9 +105,8 @@ class HisparseCoordinator(Bookkeeping):
         hold, the indexer keys, up to that prefix: ``_max_loadable_tokens``); 0 before, or with no such hit.
         ``MultiConnector`` asks hisparse first, so a later turn whose indexer keys left the GPU reaches
         :meth:`admit` with no local hit, and would be counted as a whole new prefill (two admission windows of
-        resident pages) where it needs a hot region, its indexer blocks and its new pages. Not looked up once
-        this step has deferred an admission: every later one waits behind it whatever it counts."""
-        if self._deferred or not self._external_loads or not request.block_hashes or self.host_group_id is None:
+        resident pages) where it needs a hot region, its indexer blocks and its new pages."""
+        if not self._external_loads or not request.block_hashes or self.host_group_id is None:
             return 0
         find = getattr(self._pools, "find_longest_cache_hit_per_group", None)
         if find is None:
@@ -145,23 +144,24 @@ class HisparseCoordinator(Bookkeeping):
 
     # ------------------------------------------------------------------ admission headroom
 
-    def admit(self, request_id: str, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-              can_wait: bool = True, longest: int | None = None) -> bool:
-        """Whether a waiting request of ``num_tokens``, ``num_computed_tokens`` of them a prefix hit, may start
-        now, its prompt being scheduled ``admission_tokens`` at a time (module docstring). Yes in an engine with
-        no request holding blocks (which could never make room).
+    def admit(self, request, num_computed_tokens: int, admission_tokens: int, can_wait: bool = True) -> bool:
+        """Whether the waiting vLLM ``request``, ``num_computed_tokens`` of it a local prefix hit, may start now,
+        its prompt being scheduled ``admission_tokens`` at a time (module docstring). Yes in an engine with no
+        request holding blocks (which could never make room).
         Once one request is refused, every later one waits behind it until the next ``schedule()``: vLLM's
         waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
         long request would otherwise be overtaken by every shorter one for as long as they keep coming).
-        ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart.
-        ``longest``: the most tokens the request can reach (prompt + max_tokens), when known."""
+        ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
-        short = self._never_takes_hot_region(longest)
-        if not self._deferred and self._has_headroom(num_tokens, num_computed_tokens, admission_tokens,
-                                                     num_running, short):
-            return True
+        if not self._deferred:
+            if can_wait and (loadable := self.loadable_prefix(request)) > num_computed_tokens:
+                num_computed_tokens = loadable  # loaded back beside us
+                self.counters["admissions_counting_loads"] += 1
+            if self._has_headroom(request.num_tokens, num_computed_tokens, admission_tokens, num_running,
+                                  self._is_short(request)):
+                return True
         self.counters["admissions_deferred" if can_wait else "admissions_forced"] += 1
         self._deferred = True
         return False
