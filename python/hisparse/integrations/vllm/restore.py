@@ -135,10 +135,11 @@ class WholeRestores:
         for group, manager in enumerate(coordinator.resident_managers):
             row = manager.req_to_blocks[request_id]
             nulls = [page for page in range(len(row)) if manager.get_resident_page(request_id, page) is None]
-            if nulls:
-                for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
-                    row[page] = block
-                filled.update(nulls)
+            if not nulls:
+                continue  # every page adopted or already resident: adoptions are recorded as they are made
+            for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
+                row[page] = block
+            filled.update(nulls)
             if recorder is not None:
                 recorder.reread(request_id, manager, group)
         self._unrestored[request_id] = filled
