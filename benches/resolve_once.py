@@ -3,6 +3,7 @@ requests, nothing resident) at one configuration, run twice (the first call comp
 profile the second, e.g. ``ncu --launch-skip 1``). The kernels are compiled with line information.
 
     PYTHONPATH=python:benches python benches/resolve_once.py [--hot-rows 4096] [--batch 128] [--miss-rate 0]
+                                                             [--resident]
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def main() -> None:
     p.add_argument("--hot-rows", type=int, default=4096)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--miss-rate", type=float, default=0.0)
+    p.add_argument("--resident", action="store_true", help="every page on the GPU and flagged so (the short path)")
     a = p.parse_args()
     host_pool = torch.zeros(kernel_bench.HOST_BLOCKS * kernel_bench.BLOCK_SIZE, kernel_bench.ROW_BYTES,
                             dtype=torch.uint8, pin_memory=True)
-    args = kernel_bench.build(a.hot_rows, a.batch, a.miss_rate, host_pool, seed=0)
+    args = kernel_bench.build(a.hot_rows, a.batch, a.miss_rate, host_pool, seed=0, resident=a.resident)
     saved = {k: args[k].clone() for k in kernel_bench.MUTABLE}
     for _ in range(2):
         for k in kernel_bench.MUTABLE:
