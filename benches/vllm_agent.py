@@ -85,7 +85,13 @@ the published top-K (2,048: a 160-block hot region per group, 3,360 blocks in al
 KV, 1 GiB offloading tiers; rows checked on layers 0 and 42 (a leader and a follower: the prefills are most of
 the reads here). The same line, ``config["workload"]`` saying which.
 
-    .venv/bin/python benches/vllm_agent.py [--workload published|short] [--concurrency 1 8 16 32]
+``--workload mixed``: the published shape at the same scale with every other client a chat user instead of
+an agent (issue 19's "mixed" workloads): the short end's conversations (2,000 tokens, 900 more and a
+100-token answer a turn, 3 turns), scaled like the rest, one after another, a new conversation with no
+prefix in common once the last one ends, as many turns in all as an agent's conversation has (13: five short
+conversations, the last cut to one turn). ``config["short"]`` gives their scaled shape. Default c = 32.
+
+    .venv/bin/python benches/vllm_agent.py [--workload published|short|mixed] [--concurrency 1 8 16 32]
         [--modes offload native hisparse-coldest hisparse-fifo] [--scale 16] [--turns 13] [--topk N]
         [--tier-cap-gib 8] [--output-tokens N] [--quick]
 
@@ -203,8 +209,38 @@ def short(turns: int | None, output: int | None) -> dict:
     return {**SHORT, "turns": turns or SHORT["turns"], "output": output or SHORT["output"]}
 
 
+def mixed(cfg: dict) -> dict:
+    """The published shape ``cfg`` with the short end's conversations scaled alike beside it (``--workload
+    mixed``)."""
+    scale = cfg["scale"]
+    return {**cfg, "short": {"first": round(SHORT["first"] / scale), "later": max(1, round(SHORT["later"] / scale)),
+                             "output": max(1, round(SHORT["output"] / scale)), "turns": SHORT["turns"]}}
+
+
 def conversations(cfg: dict, c: int) -> tuple[list, dict]:
-    return H.conversations(c, 100, first=cfg["first"], later=cfg["later"], output=cfg["output"], turns=cfg["turns"])
+    shape = {k: cfg[k] for k in ("first", "later", "output", "turns")}
+    if "short" not in cfg:
+        return H.conversations(c, 100, **shape)
+    # Agents and chat users in turn; a chat user starts a new short conversation when the last one ends.
+    jobs, then = [], {}
+    for client in range(c):
+        if client % 2 == 0:
+            head, follow = H.conversation(f"c{client}", 100 + client, **shape)
+            jobs.append(head)
+            then.update(follow)
+            continue
+        last, left, part = None, cfg["turns"], 0
+        while left > 0:
+            turns = min(left, cfg["short"]["turns"])
+            name = f"c{client}-{part}"
+            head, follow = H.conversation(name, 100 + client + 1000 * part, **{**cfg["short"], "turns": turns})
+            if last is None:
+                jobs.append(head)
+            else:
+                then[last] = head
+            then.update(follow)
+            last, left, part = f"{name}-t{turns - 1}", left - turns, part + 1
+    return jobs, then
 
 
 def _copy(jobs: list, then: dict) -> tuple[list, dict]:
@@ -310,7 +346,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=("published", "short"), default="published")
+    ap.add_argument("--workload", choices=("published", "short", "mixed"), default="published")
     ap.add_argument("--concurrency", nargs="+", type=int, default=None)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--scale", type=float, default=None, help="divide published lengths and memory by this")
@@ -330,6 +366,9 @@ def main() -> None:
         concurrency = args.concurrency or ([2] if quick else list(CONCURRENCY))
         cfg = scaled(args.scale or (32.0 if quick else 16.0), args.turns or (3 if quick else PUBLISHED["turns"]),
                      args.topk, args.tier_cap_gib or (1.0 if quick else 8.0), args.output_tokens)
+        if args.workload == "mixed":
+            cfg = mixed(cfg)
+            concurrency = args.concurrency or ([2] if quick else [32])
     cfg["workload"] = args.workload
     # The harness reads its top-K from this module global (the specs' topk_buffer_width, the fake worker's
     # selections); vLLM's planner takes the specs' width over the model config's index_topk.

@@ -385,3 +385,35 @@ def test_a_synchronous_load_restores_the_import_tail_before_the_forward_reads_it
     assert stats.tier_sync_loads > 0 and stats.tier_async_loads == 0
     assert stats.host_only_prefix_admissions > 0 and stats.rows_from_host > 0
     _assert_all_freed(setup, worker)
+
+
+def test_agents_and_chat_users_mixed_run_no_fewer_requests_than_the_offloading_baseline(monkeypatch):
+    """``benches/vllm_agent.py --workload mixed``, smaller (scale 32, 6 clients, 4 turns each): agents in the
+    published shape beside chat users, each a chain of short conversations with nothing in common (a new one
+    once the last ends), as many turns as an agent's. hisparse beside the offloading connector keeps at least
+    as many requests running as vLLM with the offloading connector alone, with every row read right."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "vllm_agent.py"
+    spec = importlib.util.spec_from_file_location("vllm_agent", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = bench.mixed(bench.scaled(32.0, 4, None, 1.0))
+    monkeypatch.setattr(H, "TOP_K", cfg["top_k"])
+    jobs, then = bench.conversations(cfg, 6)
+    # Every client sends four turns: an agent's grow one prompt; a chat user's are a 3-turn conversation, then
+    # a new one whose first turn shares no prefix with what came before.
+    for head in jobs:
+        chain = [head]
+        while chain[-1].req_id in then:
+            chain.append(then[chain[-1].req_id])
+        assert len(chain) == 4
+        grows = [b.prompt[:len(a.prompt)] == a.prompt for a, b in zip(chain, chain[1:], strict=False)]
+        agent = head.req_id.count("-") == 1  # c2-t0; a chat user's is c3-0-t0
+        assert grows == ([True] * 3 if agent else [True, True, False]), (head.req_id, grows)
+    results = {mode: bench.run_mode(cfg, mode, 6, jobs, then) for mode in ("offload", "hisparse-coldest")}
+    for mode, r in results.items():
+        assert r["rows_wrong"] == 0 and r["rows_checked"] > 0, (mode, r.get("error"))
+    assert results["hisparse-coldest"]["running"] >= results["offload"]["running"], results
+    assert results["hisparse-coldest"]["preemptions"] == 0
