@@ -79,31 +79,39 @@ def test_pool_policy_takes_the_cores_heat_summary():
 
 
 def test_block_rows_mirror_what_vllms_scan_mirrors():
-    """``BlockRows`` (the core's record of vLLM's rows): mirrors as vLLM's ``build_row_mirrors`` makes them, its
-    own dataclass, equal and pickling alike; pages read from the host counted; quiet requests left out of the
-    busy ones until a row changes; bad records refused whole."""
+    """``BlockRows`` (the core's record of vLLM's rows): mirrors as vLLM's ``build_row_mirrors`` makes them,
+    packed and read back as vLLM's mapping (``RowMirrors``: equal to vLLM's dict, pickled as its bytes);
+    pages read from the host counted; quiet requests left out of the busy ones until a row changes; bad
+    records refused whole."""
     import pickle
 
     from vllm.v1.hisparse.types import SparseKVRowMirror
+
+    from hisparse.integrations.vllm.mirrors import RowMirrors
 
     rows = _core.BlockRows(2, 4)
     rows.set("a", 0, [10, 11, None])
     rows.set("a", 1, [20, 21, 22])
     rows.extend("a", None, [30, 31, 32])
     # rows 3 .. 9 of a (from 2 rows back, through 1 past the step), 0 .. 4 of b.
-    got, resident, busy = rows.scan({"a": 4, "b": 4}, {"a": 5, "b": 0}, SparseKVRowMirror, 1, {"a": 2, "b": 0})
+    packed, resident, busy = rows.scan({"a": 4, "b": 4}, {"a": 5, "b": 0}, 1, {"a": 2, "b": 0})
+    got = RowMirrors(*packed, 2)
     # Page 2 is read from the host in group 0: skipped, its neighbours mirrored.
-    assert got == {"a": (SparseKVRowMirror((43, 83), 123, 1), SparseKVRowMirror((44, 84), 124, 4)), "b": ()}
+    expected = {"a": (SparseKVRowMirror((43, 83), 123, 1), SparseKVRowMirror((44, 84), 124, 4)), "b": ()}
+    assert got == expected and expected == got and got.get("nobody", ()) == ()
     assert list(got) == ["a", "b"] and not resident and busy == ["a", "b"]
+    again = pickle.loads(pickle.dumps(got))
+    assert type(again) is RowMirrors and again == expected and list(again) == ["a", "b"]
     mirror = got["a"][0]
     assert pickle.loads(pickle.dumps(mirror)) == mirror and hash(mirror) == hash(SparseKVRowMirror((43, 83), 123, 1))
+    assert type(mirror.source_starts[0]) is int and type(mirror.num_rows) is int
     changes = rows.changes
     rows.set_page("a", 0, 2, 12)
-    assert rows.changes > changes and rows.scan({"a": 1}, {"a": 11}, SparseKVRowMirror)[1]
-    assert not rows.scan({"a": 1, "b": 0}, {"a": 12, "b": 0}, SparseKVRowMirror)[1]
+    assert rows.changes > changes and rows.scan({"a": 1}, {"a": 11})[1]
+    assert not rows.scan({"a": 1, "b": 0}, {"a": 12, "b": 0})[1]
 
     def busy(scheduled, computed):
-        return rows.scan(scheduled, computed, SparseKVRowMirror)[2]
+        return rows.scan(scheduled, computed)[2]
 
     rows.quiet("a", 12)
     assert busy({"a": 1, "b": 1}, {"a": 10, "b": 0}) == ["b"] and busy({"a": 2}, {"a": 10}) == ["a"]

@@ -246,6 +246,16 @@ class PoolPolicy:
         may_take_hot: bool,
     ) -> bool: ...
 
+def unpack_row_mirrors(
+    cls: type[_T],
+    ids: list[str],
+    counts: bytes,
+    sources: bytes,
+    destinations: bytes,
+    rows: bytes,
+    groups: int,
+) -> dict[str, tuple[_T, ...]]: ...
+
 class BlockRows:
     """vLLM's per-request block rows (each resident group's, residency changes applied, and the host's), recorded
     as vLLM changes them, and the scans its scheduler runs over them every step; see ``block_rows.rs``. A
@@ -268,8 +278,7 @@ class BlockRows:
         self,
         scheduled: Mapping[str, int],
         computed: Mapping[str, int],
-        cls: type[_T],
         lookahead: int = 0,
         back: Mapping[str, int] | None = None,
-    ) -> tuple[dict[str, tuple[_T, ...]], bool, list[str]]: ...
+    ) -> tuple[tuple[list[str], bytes, bytes, bytes, bytes], bool, list[str]]: ...
     def __len__(self) -> int: ...

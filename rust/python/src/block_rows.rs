@@ -3,10 +3,10 @@
 
 use std::sync::Mutex;
 
-use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Mirror, Row, HOST_ONLY};
+use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Row, HOST_ONLY};
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
 use crate::errors::{invalid, PyResultExt};
@@ -139,46 +139,29 @@ impl BlockRows {
     /// vLLM's per-step views of the scheduled requests (``scheduled``: request -> tokens this step;
     /// ``computed``: request -> tokens computed before it), in one pass: each one's row mirrors (the core's
     /// ``BlockRows::mirrors`` over the step's rows, from ``back[request]`` rows before them when ``back`` is
-    /// given, through ``lookahead`` rows after), as a dict of request id to a tuple of ``cls`` (vLLM's
-    /// ``SparseKVRowMirror``, a frozen dataclass of ``source_starts``, ``destination_start`` and
-    /// ``num_rows``); whether every one reads only resident pages; and, in ``scheduled``'s order, those whose
-    /// step may need the engine's bookkeeping: not marked quiet below the step's end (``quiet``). The
-    /// mirrors are made as unpickling makes them, ``object.__new__`` and each field set past the frozen
-    /// ``__setattr__``: the dataclass's ``__init__`` alone costs more than the scan. One new row per request
-    /// per decode step, so the scan is a lookup per request: the GIL is kept, and the request ids are read
-    /// in place and reused as the dict's keys and the list's items (their hashes cached), not copied.
-    #[pyo3(signature = (scheduled, computed, cls, lookahead=0, back=None))]
+    /// given, through ``lookahead`` rows after), packed; whether every one reads only resident pages; and,
+    /// in ``scheduled``'s order, those whose step may need the engine's bookkeeping: not marked quiet below
+    /// the step's end (``quiet``). The mirrors come as ``(ids, counts, sources, destinations, rows)``:
+    /// the request ids in ``scheduled``'s order (the same string objects), then native-endian arrays as
+    /// bytes, ``counts`` a u32 per request (its mirrors, in order), and per mirror ``groups`` i64 source
+    /// starts, an i64 destination start and an i64 row count. No Python object is made per request or
+    /// mirror: ``hisparse.integrations.vllm.mirrors.RowMirrors`` reads them as vLLM's mapping where it is
+    /// read (vLLM's worker). One new row per request per decode step, so the scan is a lookup per request:
+    /// the GIL is kept.
+    #[pyo3(signature = (scheduled, computed, lookahead=0, back=None))]
+    #[allow(clippy::type_complexity)]
     fn scan<'py>(
         &self,
         py: Python<'py>,
         scheduled: &Bound<'py, PyDict>,
         computed: &Bound<'py, PyDict>,
-        cls: &Bound<'py, PyType>,
         lookahead: u64,
         back: Option<&Bound<'py, PyDict>>,
-    ) -> PyResult<(Bound<'py, PyDict>, bool, Bound<'py, PyList>)> {
-        let new = py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?;
-        let fields =
-            [intern!(py, "source_starts"), intern!(py, "destination_start"), intern!(py, "num_rows")];
-        let make = |m: Mirror| -> PyResult<Bound<'py, PyAny>> {
-            let mirror = new.call1((cls,))?;
-            let values = [
-                PyTuple::new(py, m.sources)?.into_any(),
-                m.destination.into_pyobject(py)?.into_any(),
-                m.rows.into_pyobject(py)?.into_any(),
-            ];
-            for (name, value) in fields.iter().zip(values) {
-                // SAFETY: three live objects. The setter is object's own, which the frozen class's __setattr__
-                // (raising for every assignment) keeps from being reached through setattr.
-                if unsafe { ffi::PyObject_GenericSetAttr(mirror.as_ptr(), name.as_ptr(), value.as_ptr()) } < 0
-                {
-                    return Err(PyErr::fetch(py));
-                }
-            }
-            Ok(mirror)
-        };
-        let out = PyDict::new(py);
+    ) -> PyResult<(Bound<'py, PyTuple>, bool, Bound<'py, PyList>)> {
+        let ids = PyList::empty(py);
         let busy = PyList::empty(py);
+        let (mut counts, mut sources, mut destinations, mut rows_of) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut resident = true;
         self.with(|rows| {
             for (request, count, start) in steps(scheduled, computed)? {
@@ -188,20 +171,117 @@ impl BlockRows {
                     None => start,
                 };
                 let window = count.saturating_add(start - first).saturating_add(lookahead);
-                let made =
-                    rows.mirrors(name, first, window).into_iter().map(make).collect::<PyResult<Vec<_>>>()?;
+                let made = rows.mirrors(name, first, window);
+                counts.extend_from_slice(&u32::try_from(made.len()).expect("mirrors fit u32").to_ne_bytes());
+                for m in made {
+                    for source in m.sources {
+                        sources.extend_from_slice(&(source as i64).to_ne_bytes());
+                    }
+                    destinations.extend_from_slice(&(m.destination as i64).to_ne_bytes());
+                    rows_of.extend_from_slice(&i64::from(m.rows).to_ne_bytes());
+                }
                 let end = start.saturating_add(count);
                 resident = resident && rows.all_resident(name, end);
                 if rows.busy(name, end) {
                     busy.append(&request)?;
                 }
-                out.set_item(request, PyTuple::new(py, made)?)?;
+                ids.append(request)?;
             }
-            Ok((out, resident, busy))
-        })
+            Ok::<_, PyErr>(())
+        })?;
+        let packed = PyTuple::new(
+            py,
+            [
+                ids.into_any(),
+                PyBytes::new(py, &counts).into_any(),
+                PyBytes::new(py, &sources).into_any(),
+                PyBytes::new(py, &destinations).into_any(),
+                PyBytes::new(py, &rows_of).into_any(),
+            ],
+        )?;
+        Ok((packed, resident, busy))
     }
 
     fn __len__(&self) -> usize {
         self.with(|r| r.len())
     }
+}
+
+/// Native-endian fixed-width integers out of ``bytes``; an error naming ``what`` when the length is not a
+/// whole number of them.
+fn ints<const N: usize, T>(what: &str, bytes: &[u8], from: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
+    if bytes.len() % N != 0 {
+        return Err(invalid(format!(
+            "{what}: {} bytes is not a whole number of {N}-byte integers",
+            bytes.len()
+        )));
+    }
+    Ok(bytes.chunks_exact(N).map(|c| from(c.try_into().expect("chunks of N bytes"))).collect())
+}
+
+/// ``BlockRows.scan``'s packed mirrors (``ids``, ``counts``, ``sources``, ``destinations``, ``rows``, with
+/// ``groups`` source starts a mirror) as vLLM's ``row_mirrors`` dict: request id -> tuple of ``cls``
+/// (``SparseKVRowMirror``, a frozen dataclass of ``source_starts``, ``destination_start`` and ``num_rows``).
+/// Made as unpickling makes them, ``object.__new__`` and each field set past the frozen ``__setattr__``: the
+/// dataclass's ``__init__`` alone costs more than the rest.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn unpack_row_mirrors<'py>(
+    py: Python<'py>,
+    cls: &Bound<'py, PyType>,
+    ids: &Bound<'py, PyList>,
+    counts: &[u8],
+    sources: &[u8],
+    destinations: &[u8],
+    rows: &[u8],
+    groups: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let counts = ints("counts", counts, u32::from_ne_bytes)?;
+    let sources = ints("sources", sources, i64::from_ne_bytes)?;
+    let destinations = ints("destinations", destinations, i64::from_ne_bytes)?;
+    let rows = ints("rows", rows, i64::from_ne_bytes)?;
+    let mirrors: usize = counts.iter().map(|&n| n as usize).sum();
+    if groups == 0
+        || counts.len() != ids.len()
+        || destinations.len() != mirrors
+        || rows.len() != mirrors
+        || sources.len() != mirrors * groups
+    {
+        return Err(invalid(format!(
+            "row mirrors packed inconsistently: {} requests, {} counts, {mirrors} mirrors, {} destinations, \
+             {} row counts, {} source starts in {groups} groups",
+            ids.len(),
+            counts.len(),
+            destinations.len(),
+            rows.len(),
+            sources.len()
+        )));
+    }
+    let new = py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?;
+    let fields = [intern!(py, "source_starts"), intern!(py, "destination_start"), intern!(py, "num_rows")];
+    let out = PyDict::new(py);
+    let mut m = 0;
+    for (request, &n) in ids.iter().zip(&counts) {
+        let mut made = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let mirror = new.call1((cls,))?;
+            let values = [
+                PyTuple::new(py, &sources[m * groups..(m + 1) * groups])?.into_any(),
+                destinations[m].into_pyobject(py)?.into_any(),
+                rows[m].into_pyobject(py)?.into_any(),
+            ];
+            for (name, value) in fields.iter().zip(values) {
+                // SAFETY: three live objects. The setter is object's own, which the frozen class's __setattr__
+                // (raising for every assignment) keeps from being reached through setattr.
+                if unsafe { ffi::PyObject_GenericSetAttr(mirror.as_ptr(), name.as_ptr(), value.as_ptr()) } < 0
+                {
+                    return Err(PyErr::fetch(py));
+                }
+            }
+            made.push(mirror);
+            m += 1;
+        }
+        out.set_item(request, PyTuple::new(py, made)?)?;
+    }
+    Ok(out)
 }

@@ -71,6 +71,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Admission>()?;
     m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<block_rows::BlockRows>()?;
+    m.add_function(wrap_pyfunction!(block_rows::unpack_row_mirrors, m)?)?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

@@ -15,7 +15,9 @@ connector rescans every scheduled request's rows in Python every step (``build_r
   a request found to need none of them until it seals a page quiet (``settle``) until one of its rows
   changes or an event wakes it, and sorts each step's batch in the call that mirrors it (``scan``), so a
   decode within its last page is not read in Python at all; ``publish_when_ready`` remembers a request
-  steady within its page.
+  steady within its page;
+- the row mirrors go to the workers packed (``mirrors.RowMirrors``): no Python object per request is made or
+  pickled on the scheduler's side.
 
 ``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
 and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
@@ -30,6 +32,7 @@ reports them, so the reset raises).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
@@ -37,6 +40,7 @@ from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVRowMirror
 
 from ..._core import BlockRows
 from ...errors import InvalidArgumentError, InvariantError
+from .mirrors import RowMirrors
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -200,7 +204,7 @@ class Bookkeeping(HiSparseCoordinator):
         for request_id in held:
             # A quiet mark is sound: no higher than settle would set it now (0 when not quiet).
             below = self._quiet_below(request_id)
-            if not self.rows.scan({request_id: 0}, {request_id: below}, SparseKVRowMirror)[2]:
+            if not self.rows.scan({request_id: 0}, {request_id: below})[2]:
                 raise InvariantError(f"request {request_id!r} is marked quiet past {below} tokens")
 
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
@@ -294,17 +298,18 @@ class Bookkeeping(HiSparseCoordinator):
         return (state.ready_prefix_pages + 1) * self.host_manager.block_size + self.num_reprefillable_tokens
 
     def scan(self, scheduled: dict[str, int], computed: dict[str, int], lookahead: int = 0,
-             back: dict[str, int] | None = None) -> tuple[dict[str, tuple[SparseKVRowMirror, ...]], bool, list[str]]:
+             back: dict[str, int] | None = None) -> tuple[Mapping[str, tuple[SparseKVRowMirror, ...]], bool, list[str]]:
         """One core call over the scheduled requests (request -> tokens this step, request -> tokens computed
         before it) and the recorded rows, which count their pages read from the host: vLLM's
         ``build_row_mirrors`` of each on its own (over its step's rows, from ``back[request]`` rows before
-        them, through ``lookahead`` after), ``all_context_pages_resident`` (``coordinator.py:676``: every one
-        has the blocks of its context and reads only resident pages), and those that may have per-request
-        bookkeeping to do this step, in their order: all but those :meth:`settle` found quiet below the step's
-        end, whose rows have not changed since."""
+        them, through ``lookahead`` after), packed (``mirrors.RowMirrors``); ``all_context_pages_resident``
+        (``coordinator.py:676``: every one has the blocks of its context and reads only resident pages); and
+        those that may have per-request bookkeeping to do this step, in their order: all but those
+        :meth:`settle` found quiet below the step's end, whose rows have not changed since."""
         if self._recorder is None:
             return {request_id: () for request_id in scheduled}, False, list(scheduled)
-        return self.rows.scan(scheduled, computed, SparseKVRowMirror, lookahead, back)
+        packed, resident, busy = self.rows.scan(scheduled, computed, lookahead, back)
+        return RowMirrors(*packed, len(self.resident_managers)), resident, busy
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
