@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVRowMirror
+from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVResidencyUpdate, SparseKVRowMirror
 
 from ..._core import BlockRows
 from ...errors import InvalidArgumentError, InvariantError
@@ -313,13 +313,27 @@ class Bookkeeping(HiSparseCoordinator):
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
-        worker has not been sent): a decode within its last page has none."""
-        states = self.request_states
-        rows = self.resident_managers[0].req_to_blocks if self.resident_managers else {}
-        return super().take_residency_updates([
-            request_id for request_id in request_ids
-            if (state := states.get(request_id)) is None or state.stale_pages
-            or state.synced_pages < len(rows.get(request_id, ()))])
+        worker has not been sent; a decode within its last page has none), with each update's block ids read
+        from the core's rows (one call a request for every group) instead of each group's row in Python."""
+        if self._recorder is None or not self.resident_managers:
+            return super().take_residency_updates(request_ids)
+        rows = self.resident_managers[0].req_to_blocks
+        nulls = [manager.block_pool.null_block.block_id for manager in self.resident_managers]
+        groups = len(nulls)
+        updates = {}
+        for request_id in request_ids:
+            state = self._get_request_state(request_id)
+            num_pages = len(rows.get(request_id, ()))
+            start = state.synced_pages
+            if not state.stale_pages and start >= num_pages:
+                continue
+            pages = [*sorted(state.stale_pages), *range(start, num_pages)]
+            blocks = self.rows.blocks_at(request_id, pages)  # page by page, every group's
+            updates[request_id] = SparseKVResidencyUpdate(pages=pages, block_ids=tuple(
+                [null if block is None else block for block in blocks[g::groups]] for g, null in enumerate(nulls)))
+            state.stale_pages.clear()
+            state.synced_pages = num_pages
+        return updates
 
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
         # Called for every request after every step. When the durable prefix publishes nothing new, records
