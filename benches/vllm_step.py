@@ -11,9 +11,11 @@ running requests while timed, the median step per running request, and for the H
 part of the step spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running
 request: ``build_connector_meta``, ``update_connector_output`` and the coordinator's ``publish_when_ready``, where
 hisparse replaces vLLM's scans; the rest of the step is vLLM's scheduler and KV cache manager, the same code in
-both), with hisparse's over native's per running request (``hisparse_over_native``). Nothing is read here, so
-every heat summary (every 32 steps; 64 timed steps hold two) lists every request's pages as never selected: the
-longest list a summary can bring.
+both), with hisparse's over native's per running request (``hisparse_over_native``), and the median bytes and
+time of pickling the connector metadata as vLLM's multi-process executor sends it to its workers
+(``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this harness's in-process worker does not pay).
+Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
+pages as never selected: the longest list a summary can bring.
 
     .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
                                           [--context 16384 131072]
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import sys
 import time
@@ -59,6 +62,7 @@ class Engine:
         self.most = self.settled = 0
         self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
         self.connector_times: list[float] = []
+        self.metadata: list[tuple[int, float]] = []  # (pickled bytes, seconds to pickle) per timed step
         connector = self.sched.connector
         if connector is not None:
             # Once per step: thread CPU time, which a machine shared with other jobs does not inflate. Once
@@ -99,6 +103,10 @@ class Engine:
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
             self.connector_times.append(self.in_connector)
+            if so.kv_connector_metadata is not None:
+                t = time.thread_time()
+                size = len(pickle.dumps(so.kv_connector_metadata, protocol=pickle.HIGHEST_PROTOCOL))
+                self.metadata.append((size, time.thread_time() - t))
 
     @property
     def ready(self) -> bool:
@@ -135,6 +143,8 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT) -> dict:
             out[mode]["connector_median_us"] = round(statistics.median(e.connector_times) * 1e6, 1)
             out[mode]["connector_us_per_running"] = round(statistics.median(
                 t / r for t, r in zip(e.connector_times, e.running, strict=True)) * 1e6, 2)
+            out[mode]["metadata_bytes"] = statistics.median(size for size, _ in e.metadata)
+            out[mode]["metadata_pickle_us"] = round(statistics.median(t for _, t in e.metadata) * 1e6, 1)
     if "hisparse" in out and "native" in out:
         ours, theirs = out["hisparse"], out["native"]
         out["hisparse_over_native"] = {
