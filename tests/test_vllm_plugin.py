@@ -4,6 +4,7 @@ selection heat (counting, ranking, the runtime it counts in) and the Rust pool p
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -105,6 +106,12 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     mirror = got["a"][0]
     assert pickle.loads(pickle.dumps(mirror)) == mirror and hash(mirror) == hash(SparseKVRowMirror((43, 83), 123, 1))
     assert type(mirror.source_starts[0]) is int and type(mirror.num_rows) is int
+    # Packed bytes that do not add up (a corrupt or foreign payload) are refused where they are read.
+    one = (1).to_bytes(4, sys.byteorder)  # one mirror for the request
+    for bad in (RowMirrors(["a"], one, b"", b"", b"", 2), RowMirrors(["a"], b"\x01", b"", b"", b"", 2),
+                RowMirrors(["a", "b"], one, bytes(16), bytes(8), bytes(8), 2)):
+        with pytest.raises(hisparse_errors.InvalidArgumentError):
+            bad["a"]
     changes = rows.changes
     rows.set_page("a", 0, 2, 12)
     assert rows.changes > changes and rows.scan({"a": 1}, {"a": 11})[1]

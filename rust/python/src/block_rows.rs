@@ -149,7 +149,6 @@ impl BlockRows {
     /// read (vLLM's worker). One new row per request per decode step, so the scan is a lookup per request:
     /// the GIL is kept.
     #[pyo3(signature = (scheduled, computed, lookahead=0, back=None))]
-    #[allow(clippy::type_complexity)]
     fn scan<'py>(
         &self,
         py: Python<'py>,
