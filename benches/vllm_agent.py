@@ -221,19 +221,17 @@ def conversations(cfg: dict, c: int) -> tuple[list, dict]:
     shape = {k: cfg[k] for k in ("first", "later", "output", "turns")}
     if "short" not in cfg:
         return H.conversations(c, 100, **shape)
-    # Agents and chat users in turn; a chat user starts a new short conversation when the last one ends.
+    # Agents and chat users in turn: an agent's turns are one conversation; a chat user's, short conversations
+    # one after another, the next sent when the last one's last turn ends.
     jobs, then = [], {}
     for client in range(c):
-        if client % 2 == 0:
-            head, follow = H.conversation(f"c{client}", 100 + client, **shape)
-            jobs.append(head)
-            then.update(follow)
-            continue
+        agent = client % 2 == 0
+        each = shape if agent else cfg["short"]
         last, left, part = None, cfg["turns"], 0
         while left > 0:
-            turns = min(left, cfg["short"]["turns"])
-            name = f"c{client}-{part}"
-            head, follow = H.conversation(name, 100 + client + 1000 * part, **{**cfg["short"], "turns": turns})
+            turns = min(left, each["turns"])
+            name = f"c{client}" if agent else f"c{client}-{part}"
+            head, follow = H.conversation(name, 100 + client + 1000 * part, **{**each, "turns": turns})
             if last is None:
                 jobs.append(head)
             else:

@@ -392,13 +392,11 @@ def test_agents_and_chat_users_mixed_run_no_fewer_requests_than_the_offloading_b
     published shape beside chat users, each a chain of short conversations with nothing in common (a new one
     once the last ends), as many turns as an agent's. hisparse beside the offloading connector keeps at least
     as many requests running as vLLM with the offloading connector alone, with every row read right."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benches" / "vllm_agent.py"
-    spec = importlib.util.spec_from_file_location("vllm_agent", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benches"))
+    import vllm_agent as bench
+
     cfg = bench.mixed(bench.scaled(32.0, 4, None, 1.0))
     monkeypatch.setattr(H, "TOP_K", cfg["top_k"])
     jobs, then = bench.conversations(cfg, 6)
