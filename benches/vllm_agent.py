@@ -52,6 +52,10 @@ Reading the line (one JSON object on stdout): ``config`` (the scaled sizes), the
   waits: what the pool keeps under pressure); ``gpu_free_while_waiting``: the mean fraction of vLLM's GPU
   blocks free (unpinned cached pages count as free, as vLLM counts them) while some request waits: near 0,
   memory binds; well above, an admission decision does;
+- ``first_turns_started_step``: the step by which every client's first turn has started (the first turns'
+  prefills take the token budget one after another, first come first served, and every second turn queues
+  behind them: running counts stay low until then, whatever the memory), and ``running_after_first_turns``:
+  ``running`` from then on;
 - ``preemptions``, ``steps`` (engine steps to serve every turn), ``prefix_hit_tokens`` (tokens a turn did not
   recompute: GPU cache, HiSparse host pool, or tier);
 - ``rows_checked`` (top-K rows, on layers 0, 21, 42 (a follower of 41), 77), ``indexer_rows_checked``,
@@ -281,6 +285,7 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
                     offload_gib=cfg["baseline_offload_gib" if engine == "plain" else "offload_gib"])
     children = _children(setup)
     layout = kv_layout(setup)
+    jobs, then = _copy(jobs, then)
     host_pool = block_bytes = None
     if engine != "plain":
         hs = children.get("hisparse.HiSparseConnector") or children["vllm.HiSparseConnector"]
@@ -294,7 +299,14 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
     samples = {"host": [], "tier": [], "free": []}
     gpu_pool = setup.scheduler.kv_cache_manager.block_pool
 
+    first_turns = {job.req_id for job in jobs}
+    ramp = {"started": set(), "samples": None}  # samples: running samples taken once every first turn ran
+
     def on_step(_step):
+        if ramp["samples"] is None:
+            ramp["started"].update(r.request_id for r in setup.scheduler.running if r.request_id in first_turns)
+            if len(ramp["started"]) == len(first_turns):
+                ramp["samples"] = len(worker.stats.running_samples)
         if setup.scheduler.waiting:
             samples["free"].append(gpu_pool.get_num_free_blocks() / (gpu_pool.num_gpu_blocks - 1))
         if host_pool is not None:
@@ -302,7 +314,6 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
         samples["tier"].append(tier._num_chunks - tier._get_num_free_chunks())
 
     out: dict = {}
-    jobs, then = _copy(jobs, then)
     try:
         stats = H.run(setup, worker, jobs, then=then, on_step=on_step,
                       num_spec_tokens=cfg["num_spec_tokens"], max_steps=100_000)
@@ -312,10 +323,13 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
         out["rows_wrong"] = None
         out["error"] = str(e)[:300]
     nonzero = [n for n in stats.running_samples if n > 0]
+    after_ramp = [] if ramp["samples"] is None else [n for n in stats.running_samples[ramp["samples"]:] if n > 0]
     gib = 2**30
     out = {
         "running": round(statistics.mean(nonzero), 2) if nonzero else 0.0,
         "max_running": stats.max_running,
+        "first_turns_started_step": ramp["samples"],
+        "running_after_first_turns": round(statistics.mean(after_ramp), 2) if after_ramp else None,
         "running_while_waiting": round(statistics.mean(stats.pressure_samples), 2) if stats.pressure_samples else 0.0,
         "gpu_free_while_waiting": round(statistics.mean(samples["free"]), 3) if samples["free"] else None,
         "preemptions": stats.preemptions, "steps": stats.steps, "prefix_hit_tokens": stats.prefix_hit_tokens,

@@ -413,5 +413,7 @@ def test_agents_and_chat_users_mixed_run_no_fewer_requests_than_the_offloading_b
     results = {mode: bench.run_mode(cfg, mode, 6, jobs, then) for mode in ("offload", "hisparse-coldest")}
     for mode, r in results.items():
         assert r["rows_wrong"] == 0 and r["rows_checked"] > 0, (mode, r.get("error"))
+        # Every client's first turn started before the end, and requests ran after that.
+        assert 0 < r["first_turns_started_step"] < r["steps"] and r["running_after_first_turns"] > 0, (mode, r)
     assert results["hisparse-coldest"]["running"] >= results["offload"]["running"], results
     assert results["hisparse-coldest"]["preemptions"] == 0
