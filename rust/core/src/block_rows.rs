@@ -10,7 +10,7 @@
 //!
 //! Most steps change nothing in the engine's own per-request bookkeeping (a decode within its last page),
 //! which it can only tell by reading that state. It marks such a request quiet below some token count
-//! ([`BlockRows::quiet`]); a change of any of its rows wakes it, and [`BlockRows::busy`] sorts a batch, so
+//! ([`BlockRows::quiet`]); a change of any of its rows wakes it, and [`BlockRows::scan`] sorts a batch, so
 //! the engine reads its state for the few requests that are not quiet.
 
 use std::collections::HashMap;
@@ -105,6 +105,62 @@ pub struct Mirror {
     pub sources: Vec<u64>,
     pub destination: u64,
     pub rows: u32,
+}
+
+/// Whether a step ending at `tokens` of a request with these rows (none: never reported) may need the
+/// engine's bookkeeping: it is not marked quiet past that ([`BlockRows::quiet`]).
+fn busy(rows: Option<&Rows>, tokens: u64) -> bool {
+    rows.map_or(true, |rows| tokens >= rows.quiet_below)
+}
+
+/// One scheduled request's step, as [`BlockRows::scan`] reads it: `mirror_rows` token rows to mirror from
+/// `mirror_from`, and the tokens computed once the step has run (`end`).
+#[derive(Clone, Copy, Debug)]
+pub struct Step<'a> {
+    pub request: &'a str,
+    pub mirror_from: u64,
+    pub mirror_rows: u64,
+    pub end: u64,
+}
+
+/// A batch's per-step views ([`BlockRows::scan`]), flat: no allocation per request or mirror.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scan {
+    /// How many mirrors each step has, in step order; the mirrors follow in the same order.
+    pub counts: Vec<u32>,
+    /// Each mirror's source starts, one per resident group ([`Mirror::sources`] back to back).
+    pub sources: Vec<u64>,
+    pub destinations: Vec<u64>,
+    pub rows: Vec<u32>,
+    /// Whether every step reads only resident pages ([`BlockRows::all_resident`]).
+    pub all_resident: bool,
+    /// The steps, by index, that may need the engine's bookkeeping ([`BlockRows::busy`]).
+    pub busy: Vec<usize>,
+}
+
+impl Scan {
+    fn new() -> Self {
+        Self {
+            counts: Vec::new(),
+            sources: Vec::new(),
+            destinations: Vec::new(),
+            rows: Vec::new(),
+            all_resident: true,
+            busy: Vec::new(),
+        }
+    }
+
+    /// The mirrors of step `i` (their source starts `groups` a mirror), as [`Mirror`]s.
+    pub fn mirrors(&self, i: usize, groups: usize) -> Vec<Mirror> {
+        let first: usize = self.counts[..i].iter().map(|&n| n as usize).sum();
+        (first..first + self.counts[i] as usize)
+            .map(|m| Mirror {
+                sources: self.sources[m * groups..(m + 1) * groups].to_vec(),
+                destination: self.destinations[m],
+                rows: self.rows[m],
+            })
+            .collect()
+    }
 }
 
 /// Every request's rows (module docs).
@@ -225,7 +281,7 @@ impl BlockRows {
     ///
     /// [`quiet`]: BlockRows::quiet
     pub fn busy(&self, request: &str, tokens: u64) -> bool {
-        self.requests.get(request).map_or(true, |rows| tokens >= rows.quiet_below)
+        busy(self.requests.get(request), tokens)
     }
 
     /// Forgets every row (the engine's pools were reset).
@@ -266,10 +322,20 @@ impl BlockRows {
     /// rows, when every resident group holds the page on the GPU and the host has a block for it (vLLM's
     /// `build_row_mirrors`: a page without either is skipped, its neighbours still mirrored).
     pub fn mirrors(&self, request: &str, start: u64, count: u64) -> Vec<Mirror> {
-        let Some(rows) = self.requests.get(request) else { return Vec::new() };
+        let mut scan = Scan::new();
+        if let Some(rows) = self.requests.get(request) {
+            let made = self.push_mirrors(rows, start, count, &mut scan);
+            scan.counts.push(made);
+            return scan.mirrors(0, self.groups);
+        }
+        Vec::new()
+    }
+
+    /// Appends to `scan` the mirrors of rows `start .. start + count` ([`BlockRows::mirrors`]); returns how many.
+    fn push_mirrors(&self, rows: &Rows, start: u64, count: u64, scan: &mut Scan) -> u32 {
         let block_size = u64::from(self.block_size);
         let end = start.saturating_add(count);
-        let mut out = Vec::new();
+        let mut made = 0;
         let mut position = start;
         while position < end {
             let (page, offset) = (position / block_size, position % block_size);
@@ -278,23 +344,63 @@ impl BlockRows {
             let Ok(page) = usize::try_from(page) else { break };
             let block_at = |k: usize| rows.get(k, page).filter(|&id| id != HOST_ONLY);
             let Some(host) = block_at(self.groups) else { continue };
-            let sources: Option<Vec<u64>> =
-                (0..self.groups).map(|g| block_at(g).map(|id| u64::from(id) * block_size + offset)).collect();
-            if let Some(sources) = sources {
-                let rows = u32::try_from(num_rows).expect("a span is at most one page of rows");
-                out.push(Mirror { sources, destination: u64::from(host) * block_size + offset, rows });
+            if (0..self.groups).any(|g| block_at(g).is_none()) {
+                continue;
             }
+            scan.sources.extend(
+                (0..self.groups).map(|g| rows.ids[page * rows.stride() + g] as u64 * block_size + offset),
+            );
+            scan.destinations.push(u64::from(host) * block_size + offset);
+            scan.rows.push(u32::try_from(num_rows).expect("a span is at most one page of rows"));
+            made += 1;
         }
-        out
+        made
     }
 
     /// Whether `request` reads nothing from the host for a step ending at `tokens`: its first resident row
     /// reaches the step's last page and no resident row has a page read from the host (vLLM's
     /// `all_context_pages_resident`, for one request).
     pub fn all_resident(&self, request: &str, tokens: u64) -> bool {
+        self.resident_through(self.requests.get(request), tokens)
+    }
+
+    fn resident_through(&self, rows: Option<&Rows>, tokens: u64) -> bool {
         let pages = tokens.div_ceil(u64::from(self.block_size));
-        let Some(rows) = self.requests.get(request) else { return pages == 0 };
-        rows.lens[0] as u64 >= pages && rows.host_only == 0
+        rows.map_or(pages == 0, |rows| rows.lens[0] as u64 >= pages && rows.host_only == 0)
+    }
+
+    /// vLLM's per-step views of a batch, in one pass: each step's mirrors ([`BlockRows::mirrors`]), whether
+    /// every step reads only resident pages ([`BlockRows::all_resident`] at its end), and the steps that may
+    /// need the engine's bookkeeping ([`BlockRows::busy`] at its end).
+    ///
+    /// A batch's rows are cold when the engine asks (it has run its own code since the last step), and each
+    /// request's are reached through dependent loads (its map entry, then its row lengths and the page the
+    /// step writes). So every request is looked up first and those two lines read in a second pass, whose
+    /// loads do not depend on each other: the cache misses of many requests overlap, where one loop would wait
+    /// out each request's in turn.
+    pub fn scan(&self, steps: &[Step]) -> Scan {
+        let found: Vec<Option<&Rows>> = steps.iter().map(|step| self.requests.get(step.request)).collect();
+        let block_size = u64::from(self.block_size);
+        let mut touched = 0u64;
+        for (step, rows) in steps.iter().zip(&found) {
+            if let Some(rows) = rows {
+                let page = usize::try_from(step.mirror_from / block_size).unwrap_or(usize::MAX);
+                touched ^= rows.lens[0] as u64
+                    ^ u64::from(rows.ids.get(page.saturating_mul(rows.stride())).copied().unwrap_or(0));
+            }
+        }
+        std::hint::black_box(touched);
+        let mut scan = Scan::new();
+        for (i, (step, rows)) in steps.iter().zip(found).enumerate() {
+            let made =
+                rows.map_or(0, |rows| self.push_mirrors(rows, step.mirror_from, step.mirror_rows, &mut scan));
+            scan.counts.push(made);
+            scan.all_resident = scan.all_resident && self.resident_through(rows, step.end);
+            if busy(rows, step.end) {
+                scan.busy.push(i);
+            }
+        }
+        scan
     }
 }
 
@@ -342,6 +448,33 @@ mod tests {
         rows.set_page("a", Row::Resident(1), 0, HOST_ONLY).unwrap();
         assert_eq!(rows.blocks_at("a", &[2, 0, 5]), vec![12, 22, 10, HOST_ONLY, HOST_ONLY, HOST_ONLY]);
         assert_eq!(rows.blocks_at("b", &[0]), vec![HOST_ONLY; 2]);
+    }
+
+    #[test]
+    fn a_batch_scan_is_each_requests_views_in_step_order() {
+        let mut rows = rows();
+        rows.set("b", Row::Resident(0), vec![1, 2]).unwrap();
+        rows.set("b", Row::Resident(1), vec![3, HOST_ONLY]).unwrap();
+        rows.set("b", Row::Host, vec![5, 6]).unwrap();
+        rows.quiet("a", 9);
+        let steps = [
+            Step { request: "a", mirror_from: 3, mirror_rows: 6, end: 8 },
+            Step { request: "gone", mirror_from: 0, mirror_rows: 4, end: 4 },
+            Step { request: "b", mirror_from: 0, mirror_rows: 8, end: 8 },
+            Step { request: "a", mirror_from: 8, mirror_rows: 2, end: 10 },
+        ];
+        let scan = rows.scan(&steps);
+        for (i, step) in steps.iter().enumerate() {
+            assert_eq!(
+                scan.mirrors(i, 2),
+                rows.mirrors(step.request, step.mirror_from, step.mirror_rows),
+                "step {i}"
+            );
+        }
+        assert_eq!(scan.counts, vec![3, 0, 1, 1]);
+        assert_eq!(scan.busy, vec![1, 2, 3], "a is quiet below 9 tokens; a request with no rows never is");
+        assert!(!scan.all_resident, "b reads its page 1 from the host");
+        assert!(rows.scan(&steps[..1]).all_resident && rows.scan(&[]).all_resident);
     }
 
     #[test]

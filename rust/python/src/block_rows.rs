@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Row, HOST_ONLY};
+use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Row, Step, HOST_ONLY};
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
@@ -157,48 +157,37 @@ impl BlockRows {
         lookahead: u64,
         back: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<(Bound<'py, PyTuple>, bool, Bound<'py, PyList>)> {
-        let ids = PyList::empty(py);
-        let busy = PyList::empty(py);
-        let (mut counts, mut sources, mut destinations, mut rows_of) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut resident = true;
-        self.with(|rows| {
-            for (request, count, start) in steps(scheduled, computed)? {
-                let name = request.to_str()?;
-                let first = match back {
-                    Some(back) => start.saturating_sub(item(back, &request)?),
-                    None => start,
-                };
-                let window = count.saturating_add(start - first).saturating_add(lookahead);
-                let made = rows.mirrors(name, first, window);
-                counts.extend_from_slice(&u32::try_from(made.len()).expect("mirrors fit u32").to_ne_bytes());
-                for m in made {
-                    for source in m.sources {
-                        sources.extend_from_slice(&(source as i64).to_ne_bytes());
-                    }
-                    destinations.extend_from_slice(&(m.destination as i64).to_ne_bytes());
-                    rows_of.extend_from_slice(&i64::from(m.rows).to_ne_bytes());
-                }
-                let end = start.saturating_add(count);
-                resident = resident && rows.all_resident(name, end);
-                if rows.busy(name, end) {
-                    busy.append(&request)?;
-                }
-                ids.append(request)?;
-            }
-            Ok::<_, PyErr>(())
-        })?;
+        let requests = steps(scheduled, computed)?;
+        let mut batch = Vec::with_capacity(requests.len());
+        for (request, count, start) in &requests {
+            let first = match back {
+                Some(back) => start.saturating_sub(item(back, request)?),
+                None => *start,
+            };
+            batch.push(Step {
+                request: request.to_str()?,
+                mirror_from: first,
+                mirror_rows: count.saturating_add(start - first).saturating_add(lookahead),
+                end: start.saturating_add(*count),
+            });
+        }
+        let scan = self.with(|rows| rows.scan(&batch));
+        let ids = PyList::new(py, requests.iter().map(|(request, _, _)| request))?;
+        let busy = PyList::new(py, scan.busy.iter().map(|&i| &requests[i].0))?;
+        let bytes = |values: Vec<[u8; 8]>| PyBytes::new(py, values.as_flattened()).into_any();
+        let wide = |values: &[u64]| bytes(values.iter().map(|&v| (v as i64).to_ne_bytes()).collect());
+        let counts: Vec<[u8; 4]> = scan.counts.iter().map(|n| n.to_ne_bytes()).collect();
         let packed = PyTuple::new(
             py,
             [
                 ids.into_any(),
-                PyBytes::new(py, &counts).into_any(),
-                PyBytes::new(py, &sources).into_any(),
-                PyBytes::new(py, &destinations).into_any(),
-                PyBytes::new(py, &rows_of).into_any(),
+                PyBytes::new(py, counts.as_flattened()).into_any(),
+                wide(&scan.sources),
+                wide(&scan.destinations),
+                bytes(scan.rows.iter().map(|&n| i64::from(n).to_ne_bytes()).collect()),
             ],
         )?;
-        Ok((packed, resident, busy))
+        Ok((packed, scan.all_resident, busy))
     }
 
     fn __len__(&self) -> usize {
