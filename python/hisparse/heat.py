@@ -44,7 +44,7 @@ class HeatOptions:
         for f in fields(self):
             value, low = getattr(self, f.name), self.KEYS[f"heat_{f.name}"]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**24:
-                raise InvalidArgumentError(f"heat_{f.name} must be an integer in {low}..2**24, not {value!r}")
+                raise InvalidArgumentError(f"heat_{f.name} must be an integer from {low} to 2**24 - 1, not {value!r}")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object]) -> HeatOptions:
