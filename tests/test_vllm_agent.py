@@ -172,7 +172,7 @@ def test_glm53_layout_mtp3_async_reads_from_the_host():
     both accepted and rejected (the worker proposes them, as vLLM's does under async scheduling)."""
     from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 
-    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=2.2, max_model_len=16384, num_spec_tokens=3,
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=3.0, max_model_len=16384, num_spec_tokens=3,
                     host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
                     offload_gib=0.25)
     assert type(setup.scheduler).__name__ == "AsyncScheduler"

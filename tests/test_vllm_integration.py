@@ -232,6 +232,28 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
             assert ours == theirs, f"step {step} differs ({('sent', 'kept')[kind]})"
 
 
+@pytest.mark.parametrize("mode", ["hisparse", "native"])
+def test_a_request_alone_whose_hot_region_and_next_chunk_do_not_fit_runs_resident(mode):
+    """A 7,000-token request alone in a pool that holds it fully resident but not with a hot region beside its
+    next chunk (DeepSeek-V3.2, 0.8 GiB), async with MTP 3 and nothing of it reusable (prefix caching off). At
+    4,096 tokens it fills its two-chunk admission window; vLLM's HiSparse gives it a hot region there, the next
+    chunk does not fit beside it, and vLLM preempts its only request, which starts over, fills its window
+    again, and never finishes. coldest moves it only once the pool holds the region and the next step's blocks
+    (``PoolShape::transition``): it runs resident and finishes, every row right."""
+    setup = H.build(mode=mode, gpu_gib=0.8, max_model_len=8192, host_pool_gib=40, async_scheduling=True,
+                    num_spec_tokens=3, prefix_caching=False, max_num_batched_tokens=2048)
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
+    jobs = [H.Job("r0", H.prompt(0, 7000), 32)]
+    if mode == "native":
+        with pytest.raises(H.CheckFailed, match="not done after 100 steps"):
+            H.run(setup, worker, jobs, max_steps=100, num_spec_tokens=3)
+        assert setup.scheduler.requests["r0"].num_preemptions > 10
+        return
+    stats = H.run(setup, worker, jobs, max_steps=100, num_spec_tokens=3)
+    assert stats.preemptions == 0 and stats.rows_checked > 0
+    assert setup.scheduler.connector.coordinator.counters["transitions_postponed"] > 0
+
+
 def test_coldest_orders_vllms_free_queue_by_heat():
     """Release order is reuse order. Pages a request releases together enter vLLM's free queue in the order of
     its last heat summary: the coldest it listed first (in its order), then those it did not list (oldest

@@ -132,24 +132,29 @@ impl PoolShape {
     /// Under `coldest`, for a request not reading through a hot region yet: `fills_window` (it holds the
     /// resident pages admission reserved for it), `free_blocks` in vLLM's pool, `admission_waiting` (an
     /// admission was deferred this step, which counts as a low pool), `releasable_pages` (its pages outside
-    /// the tail not released yet). Filling the admission window always moves it (pinned pages past the
-    /// window could outgrow the pool); a low pool moves it only when that pays and the pool can grant the
-    /// region without vLLM preempting anyone.
+    /// the tail not released yet), `next_blocks` (what its next step allocates for new pages). Filling the
+    /// admission window moves it (pinned pages past the window could outgrow the pool); a low pool moves it
+    /// only when that pays. Either waits until the pool can grant the region with the next step's blocks
+    /// (its pages go back only once their copies complete, steps later): vLLM would preempt someone for
+    /// them, and a request running alone preempts itself, starts over and fills its window again, forever
+    /// when nothing of it is reused.
     pub fn transition(
         &self,
         fills_window: bool,
         free_blocks: usize,
         admission_waiting: bool,
         releasable_pages: usize,
+        next_blocks: usize,
     ) -> Transition {
-        if fills_window {
-            return Transition::Take;
+        if !fills_window {
+            if free_blocks >= self.low_watermark && !admission_waiting {
+                return Transition::Stay;
+            }
+            if !self.worth_transition(releasable_pages) {
+                return Transition::Declined;
+            }
         }
-        if free_blocks >= self.low_watermark && !admission_waiting {
-            Transition::Stay
-        } else if !self.worth_transition(releasable_pages) {
-            Transition::Declined
-        } else if free_blocks < self.hot_blocks {
+        if free_blocks < self.hot_blocks + next_blocks {
             Transition::Postponed
         } else {
             Transition::Take
@@ -336,18 +341,21 @@ mod tests {
     #[test]
     fn a_request_moves_when_its_window_fills_or_when_a_low_pool_gains_by_it() {
         let s = DSV32;
-        // Filling the admission window moves it whatever the pool holds.
-        assert_eq!(s.transition(true, 4000, false, 0), Transition::Take);
+        // Filling the admission window moves it whatever its pages would free...
+        assert_eq!(s.transition(true, 4000, false, 0, 7), Transition::Take);
+        // ...once the pool holds the region and the next step's blocks (a 32-page chunk here).
+        assert_eq!(s.transition(true, 607, false, 0, 224), Transition::Postponed);
+        assert_eq!(s.transition(true, 608, false, 0, 224), Transition::Take);
         // A pool above the watermark with nobody waiting: nothing to do.
-        assert_eq!(s.transition(false, 400, false, 100), Transition::Stay);
+        assert_eq!(s.transition(false, 400, false, 100, 7), Transition::Stay);
         // Low (or an admission waiting): only when releasing frees more than the region costs...
-        assert_eq!(s.transition(false, 399, false, 64), Transition::Declined);
-        assert_eq!(s.transition(false, 4000, true, 64), Transition::Declined);
-        assert_eq!(s.transition(false, 399, false, 65), Transition::Take);
-        assert_eq!(s.transition(false, 4000, true, 65), Transition::Take);
-        // ...and the pool can grant the region without vLLM preempting anyone.
-        assert_eq!(s.transition(false, 383, false, 65), Transition::Postponed);
-        assert_eq!(s.transition(false, 384, false, 65), Transition::Take);
+        assert_eq!(s.transition(false, 399, false, 64, 7), Transition::Declined);
+        assert_eq!(s.transition(false, 4000, true, 64, 7), Transition::Declined);
+        assert_eq!(s.transition(false, 399, false, 65, 7), Transition::Take);
+        assert_eq!(s.transition(false, 4000, true, 65, 7), Transition::Take);
+        // ...and the pool can grant the region and the next step's blocks without vLLM preempting anyone.
+        assert_eq!(s.transition(false, 390, false, 65, 7), Transition::Postponed);
+        assert_eq!(s.transition(false, 391, false, 65, 7), Transition::Take);
     }
 
     #[test]

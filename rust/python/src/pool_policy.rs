@@ -80,18 +80,22 @@ impl PoolPolicy {
 
     /// For a request not reading through a hot region yet: ``"take"`` one, ``"stay"`` as it is (the pool is
     /// not low), ``"declined"`` (low, but releasing its pages would not pay for the region) or
-    /// ``"postponed"`` (the pool cannot grant the region without vLLM preempting someone). ``fills_window``:
-    /// it holds the resident pages admission reserved for it; ``admission_waiting``: an admission was
-    /// deferred this step (counts as a low pool); ``releasable_pages``: its pages outside the tail not
-    /// released yet.
+    /// ``"postponed"`` (the pool cannot grant the region and the next step's blocks without vLLM preempting
+    /// someone). ``fills_window``: it holds the resident pages admission reserved for it;
+    /// ``admission_waiting``: an admission was deferred this step (counts as a low pool);
+    /// ``releasable_pages``: its pages outside the tail not released yet; ``next_blocks``: the blocks its
+    /// next step allocates for new pages.
     fn transition(
         &self,
         fills_window: bool,
         free_blocks: usize,
         admission_waiting: bool,
         releasable_pages: usize,
+        next_blocks: usize,
     ) -> &'static str {
-        self.shape.transition(fills_window, free_blocks, admission_waiting, releasable_pages).name()
+        self.shape
+            .transition(fills_window, free_blocks, admission_waiting, releasable_pages, next_blocks)
+            .name()
     }
 
     /// Whether a request that never grows past ``longest_tokens`` can never be moved to a hot region.

@@ -38,7 +38,7 @@ from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
 from ...heat import HeatOptions  # noqa: E402
-from .coordinator import POLICIES, build_coordinator  # noqa: E402
+from .coordinator import POLICIES, HisparseCoordinator, build_coordinator  # noqa: E402
 from .heat import HeatReport, SelectionHeat  # noqa: E402
 
 #: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest
@@ -198,6 +198,8 @@ class HiSparseConnector(VllmHiSparseConnector):
         assert self.connector_scheduler is not None, "the scheduler role binds the KV cache manager"
         coordinator = build_coordinator(kv_cache_manager, self.policy)
         coordinator.requests = self.connector_scheduler.requests
+        if isinstance(coordinator, HisparseCoordinator):
+            coordinator.chunk_tokens = self._admission_tokens
         self.connector_scheduler.bind_coordinator(coordinator)
 
     def reset_cache(self) -> bool | None:

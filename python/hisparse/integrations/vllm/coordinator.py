@@ -7,9 +7,10 @@ the decisions that are policy (package docstring):
 ``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
                       triggers, but a low pool moves a request only if its releasable pages free more blocks
-                      than its hot region costs (``PoolPolicy.transition``), and only once the pool
-                      can grant the region without vLLM preempting anyone. Filling the admission window
-                      still always moves it: pinned pages past the window could outgrow the pool.
+                      than its hot region costs (``PoolPolicy.transition``). Filling the admission window
+                      always moves it (pinned pages past the window could outgrow the pool). Either waits
+                      until the pool can grant the region and the request's next step's blocks: vLLM would
+                      preempt for them, and a request running alone preempts itself and starts over.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
                       reuses them: vLLM's is newest first; ``coldest`` is the core's order from the last
                       heat summary (its coldest pages, then the unlisted oldest first, then its hottest).
@@ -80,6 +81,10 @@ class HisparseCoordinator(Bookkeeping):
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # Set when an admission was deferred during this schedule(); read by this step's transitions.
         self._deferred = False
+        # vLLM's token budget per step, the longest prefill chunk (set by the connector), and each request's
+        # tokens computed once this step has run (advance_scheduled): what its next step allocates.
+        self.chunk_tokens = 0
+        self._step_ends: dict[str, int] = {}
         # Short requests admitted on a prefix hit, restored whole rather than given a hot region (bind).
         self.restores: WholeRestores | None = None
         # vLLM's KV cache coordinator (bind), and whether a connector has loaded into the host pool yet.
@@ -133,7 +138,8 @@ class HisparseCoordinator(Bookkeeping):
             return
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
-                                         self._deferred, max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)))
+                                         self._deferred, max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)),
+                                         self._next_step_blocks(request_id))
         if decision != "take":
             if decision != "stay":
                 self.counters[f"transitions_{decision}"] += 1
@@ -188,8 +194,20 @@ class HisparseCoordinator(Bookkeeping):
                                        free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
                                        reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
 
+    def _next_step_blocks(self, request_id: str) -> int:
+        """The blocks the request's next step allocates, every group's and the indexer's for each new page: its
+        next prefill chunk's pages, or a page for a decode (drafts included), whichever it is at."""
+        request = self.requests.get(request_id)
+        end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
+        left = 0 if request is None else request.num_prompt_tokens - end
+        tokens = min(left, self.chunk_tokens or left) if left > 0 else 1
+        size = self.resident_managers[0].block_size
+        pages = -(-(end + tokens) // size) - (-(-end // size))
+        return max(1, pages) * (self.blocks_per_page + 1)
+
     def advance_scheduled(self, requests) -> None:
-        super().advance_scheduled(requests)
+        self._step_ends = dict(requests)
+        super().advance_scheduled(self._step_ends.items())
         self._deferred = False
 
     # ------------------------------------------------------------------ release (= reuse) order
