@@ -174,25 +174,28 @@ impl BlockRows {
         let scan = self.with(|rows| rows.scan(&batch));
         let ids = PyList::new(py, requests.iter().map(|(request, _, _)| request))?;
         let busy = PyList::new(py, scan.busy.iter().map(|&i| &requests[i].0))?;
-        let bytes = |values: Vec<[u8; 8]>| PyBytes::new(py, values.as_flattened()).into_any();
-        let wide = |values: &[u64]| bytes(values.iter().map(|&v| (v as i64).to_ne_bytes()).collect());
-        let counts: Vec<[u8; 4]> = scan.counts.iter().map(|n| n.to_ne_bytes()).collect();
-        let packed = PyTuple::new(
+        let wide = |values: &[u64]| packed(py, values.iter().map(|&v| (v as i64).to_ne_bytes()));
+        let mirrors = PyTuple::new(
             py,
             [
                 ids.into_any(),
-                PyBytes::new(py, counts.as_flattened()).into_any(),
+                packed(py, scan.counts.iter().map(|n| n.to_ne_bytes())),
                 wide(&scan.sources),
                 wide(&scan.destinations),
-                bytes(scan.rows.iter().map(|&n| i64::from(n).to_ne_bytes()).collect()),
+                packed(py, scan.rows.iter().map(|&n| i64::from(n).to_ne_bytes())),
             ],
         )?;
-        Ok((packed, scan.all_resident, busy))
+        Ok((mirrors, scan.all_resident, busy))
     }
 
     fn __len__(&self) -> usize {
         self.with(|r| r.len())
     }
+}
+
+/// Native-endian fixed-width integers as ``bytes`` (what [`ints`] reads back).
+fn packed<'py, const N: usize>(py: Python<'py>, values: impl Iterator<Item = [u8; N]>) -> Bound<'py, PyAny> {
+    PyBytes::new(py, values.collect::<Vec<_>>().as_flattened()).into_any()
 }
 
 /// Native-endian fixed-width integers out of ``bytes``; an error naming ``what`` when the length is not a
