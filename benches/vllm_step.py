@@ -9,13 +9,14 @@ CPU time. vLLM alone runs only the requests that fit, so compare its step with t
 too. Prints one JSON line: per N and mode, the median, mean and longest step in microseconds, the mean number of
 running requests while timed, the median step per running request, and for the HiSparse modes the median of the
 part of the step spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running
-request: ``build_connector_meta``, ``update_connector_output`` and the coordinator's ``publish_when_ready``, where
-hisparse replaces vLLM's scans; the rest of the step is vLLM's scheduler and KV cache manager, the same code in
-both), with hisparse's over native's per running request (``hisparse_over_native``), and the median bytes and
-time of pickling the connector metadata as vLLM's multi-process executor sends it to its workers
-(``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this harness's in-process worker does not pay).
-Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
-pages as never selected: the longest list a summary can bring.
+request: ``build_connector_meta``, ``update_connector_output`` and the HiSparse host group's ``cache_blocks``, the
+call vLLM's KV cache manager makes for every request every step, which hands it to the coordinator's
+``publish_when_ready``; hisparse replaces vLLM's scans there; the rest of the step is vLLM's scheduler and KV
+cache manager, the same code in both), with hisparse's over native's per running request
+(``hisparse_over_native``), and the median bytes and time of pickling the connector metadata as vLLM's
+multi-process executor sends it to its workers (``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this
+harness's in-process worker does not pay). Nothing is read here, so every heat summary (every 32 steps; 64 timed
+steps hold two) lists every request's pages as never selected: the longest list a summary can bring.
 
     .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
                                           [--context 16384 131072]
@@ -71,7 +72,7 @@ class Engine:
             # to another thread.
             for owner, name, clock in ((connector, "build_connector_meta", time.thread_time),
                                        (connector, "update_connector_output", time.thread_time),
-                                       (connector.connector_scheduler.coordinator, "publish_when_ready",
+                                       (connector.connector_scheduler.coordinator.host_manager, "cache_blocks",
                                         time.perf_counter)):
                 setattr(owner, name, self._timed(getattr(owner, name), clock))
 

@@ -190,6 +190,7 @@ def _with_vllms_scans(setup) -> None:
 
     connector = setup.scheduler.connector
     connector.build_connector_meta = types.MethodType(Native.build_connector_meta, connector)
+    del connector.coordinator.host_manager.cache_blocks  # vLLM's class method again: every step published
     for name in ("_can_read_from_host", "publish_when_ready", "all_context_pages_resident"):
         setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
                                                               connector.coordinator))

@@ -187,6 +187,15 @@ class Bookkeeping(HiSparseCoordinator):
             return new_blocks
 
         pools.allocate_new_blocks = allocate_new_blocks
+        # vLLM's KV cache manager hands every request's step to the host group's cache_blocks, which only
+        # forwards it to publish_when_ready: here a request steady within its page returns in that first call.
+        published, page_tokens = self._published, self._host_block_size
+
+        def cache_blocks(request, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries):
+            if published.get(request.request_id) != num_tokens // page_tokens:
+                self.publish_when_ready(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+
+        self.host_manager.cache_blocks = cache_blocks
 
     def check_rows(self) -> None:
         """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
@@ -336,13 +345,12 @@ class Bookkeeping(HiSparseCoordinator):
         return updates
 
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
-        # Called for every request after every step. When the durable prefix publishes nothing new, records
-        # no new GPU copy and covers every computed page, vLLM's version ends where it began (its pending
-        # publication cleared): skip the publication object and the host manager's call.
+        # Called for every request after every step, but for one steady within its page (``bind``'s
+        # cache_blocks: nothing below can have changed, ``_publishes_nothing``). When the durable prefix
+        # publishes nothing new, records no new GPU copy and covers every computed page, vLLM's version ends
+        # where it began (its pending publication cleared): skip the publication object and the host
+        # manager's call.
         request_id = request.request_id
-        steady = self._published.get(request_id)
-        if steady is not None and steady == num_computed_tokens // self._host_block_size:
-            return  # steady within a page: nothing below can have changed (``_publishes_nothing``)
         state = self.request_states.get(request_id)
         if state is not None and self._recorder is not None:
             if self._publishes_nothing(request, state, num_computed_tokens // self._host_block_size):
