@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator, _PendingPublication
 from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVResidencyUpdate, SparseKVRowMirror
 
 from ..._core import BlockRows
@@ -347,14 +347,17 @@ class Bookkeeping(HiSparseCoordinator):
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
         # Called for every request after every step, but for one steady within its page (``bind``'s
         # cache_blocks: nothing below can have changed, ``_publishes_nothing``). When the durable prefix
-        # publishes nothing new, records no new GPU copy and covers every computed page, vLLM's version ends
-        # where it began (its pending publication cleared): skip the publication object and the host
-        # manager's call.
+        # publishes nothing new and records no new GPU copy, vLLM's version only leaves its pending
+        # publication: none once every computed page is durable, else one of this step's pages, which the
+        # copies still in flight publish as they complete (``_complete_host_writes``). Here that is all it
+        # does, without the host manager's calls.
         request_id = request.request_id
         state = self.request_states.get(request_id)
         if state is not None and self._recorder is not None:
-            if self._publishes_nothing(request, state, num_computed_tokens // self._host_block_size):
-                state.publication = None
+            num_pages = num_computed_tokens // self._host_block_size
+            if self._publishes_nothing(request, state, num_pages):
+                state.publication = None if state.ready_prefix_pages >= num_pages else _PendingPublication(
+                    request, num_computed_tokens, num_pages, retention_interval, replay_boundaries)
                 return
         self._published.pop(request_id, None)
         super().publish_when_ready(request, num_computed_tokens, retention_interval,
@@ -362,21 +365,21 @@ class Bookkeeping(HiSparseCoordinator):
 
     def _publishes_nothing(self, request, state, num_pages: int) -> bool:
         """Whether vLLM's ``publish_when_ready`` of ``num_pages`` computed pages would publish nothing and
-        record no GPU copy. Every count it compares only grows while ``state`` lives (ready and recorded
-        pages, cached blocks), so once the bounds are the computed pages themselves (the host row and the
-        block hashes reach past them) the answer holds until another page is computed: remembered in
-        ``_published`` (until the state goes: ``free``)."""
-        if state.ready_prefix_pages < num_pages:
-            return False
+        record no GPU copy: it publishes the computed pages that are durable (the ready prefix), and these
+        are cached and recorded already. Every count it compares only grows while ``state`` lives (ready and
+        recorded pages, cached blocks), so once the bounds are the computed pages themselves (all durable, and
+        the host row and the block hashes reach past them) the answer holds until another page is computed:
+        remembered in ``_published`` (until the state goes: ``free``)."""
+        durable = min(state.ready_prefix_pages, num_pages)
         request_id = request.request_id
         manager = self.host_manager
         host_blocks = len(manager.req_to_blocks.get(request_id, ()))
-        if host_blocks and state.copies_recorded_blocks < min(num_pages, host_blocks):
+        if host_blocks and state.copies_recorded_blocks < min(durable, host_blocks):
             return False
         hashed = len(request.block_hashes) * self._hash_block_size // self._host_block_size
-        if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(num_pages, hashed):
+        if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(durable, hashed):
             return False
-        if host_blocks >= num_pages and hashed >= num_pages:
+        if durable == num_pages and host_blocks >= num_pages and hashed >= num_pages:
             self._published[request_id] = num_pages
         return True
 
