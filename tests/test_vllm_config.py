@@ -46,6 +46,21 @@ def test_bad_values_are_clear_config_errors(extra, match):
         H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=4, extra=extra)
 
 
+def test_heat_options_under_fifo_are_named_as_unused(caplog):
+    """``fifo`` makes vLLM's decisions, which no heat orders: its heat options do nothing, so the scheduler says
+    so once (the worker does not count heat at all under fifo: ``register_kv_caches``). Under ``coldest``
+    nothing is said."""
+    with caplog.at_level("WARNING", logger="hisparse.integrations.vllm.connector"):
+        H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=4,
+                extra={"policy": "fifo", "heat_interval": 4, "heat_coldest": 8})
+    warned = [r.getMessage() for r in caplog.records if r.name == "hisparse.integrations.vllm.connector"]
+    assert len(warned) == 1 and "heat_coldest, heat_interval set, but policy fifo" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hisparse.integrations.vllm.connector"):
+        H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=4, extra={"heat_interval": 4})
+    assert not [r for r in caplog.records if r.name == "hisparse.integrations.vllm.connector"]
+
+
 @pytest.mark.parametrize("host_pool_gib", ["lots", 0, -1, None, True, float("nan"), float("inf"), -float("inf"),
                                            1e30, 2**20 + 1, [4]])
 def test_a_bad_host_pool_is_refused_before_vllm_sizes_anything(host_pool_gib):

@@ -15,6 +15,7 @@ resolve and then counts the same top-K, so the count is captured with it. The su
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ HOST_MEMORY_SHARE = 0.95
 SCHEDULER_BYTES_PER_HOST_BLOCK = 256
 #: 1 PiB: more memory than any one host has (vLLM's planner takes minutes over sizes like 1e30 GiB).
 MAX_HOST_POOL_GIB = 2**20
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,6 +188,10 @@ class HiSparseConnector(VllmHiSparseConnector):
         check_options(vllm_config)  # in every role, not only where an option is used
         check_host_memory(vllm_config, role, kv_cache_config)
         self.policy = policy_option(vllm_config)
+        unused = sorted(set(_extra(vllm_config)).intersection(HeatOptions.KEYS)) if self.policy == "fifo" else []
+        if unused and role == KVConnectorRole.SCHEDULER:
+            logger.warning("hisparse: %s set, but policy fifo (vLLM's release order) counts no selection heat; "
+                           "they apply under policy coldest", ", ".join(unused))
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.selection_heat: SelectionHeat | None = None
         # Per scheduled step, oldest first: requests that started with a host import pending (a synchronous
