@@ -117,6 +117,23 @@ def test_hisparse_beside_vllms_offloading_connector(async_scheduling, loads, off
     _assert_all_freed(setup, worker)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steps_that_return_vllms_empty_output_keep_the_imports_in_step(async_scheduling):
+    """Agents whose later turns wait for the offloading tier's asynchronous loads: some steps schedule no
+    token, and with nothing to report their output is vLLM's empty one, which never reaches
+    ``update_connector_output``. Each step's imports to finish after it are still taken with its own output:
+    none is left over once the engine is idle (one was per such step, for the engine's life)."""
+    setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, host_pool_gib=20, offload_gib=0.25,
+                    max_num_seqs=8, max_num_batched_tokens=2048, async_scheduling=async_scheduling)
+    hisparse = _children(setup)["hisparse.HiSparseConnector"]
+    worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
+    jobs, then = H.conversations(5, 100, first=2500, later=300, output=24, turns=4, spacing=3)
+    stats = H.run(setup, worker, jobs, then=then)
+    assert stats.outputs_without_connector > 0 and stats.tier_async_loads > 0
+    assert not hisparse._sync_imports
+    _assert_all_freed(setup, worker)
+
+
 def test_a_tier_that_hands_back_other_bytes_is_caught(monkeypatch):
     """The conformance check has teeth: a tier that loads a prefix from the wrong chunks fails the run."""
     complete = H.TierCopyWorker._complete

@@ -356,6 +356,8 @@ class Stats:
     # The gauge while some request waits: how many requests the pool keeps running under pressure.
     pressure_samples: list[int] = field(default_factory=list)
     preemptions: int = 0
+    # Steps that scheduled no token and whose workers had nothing to report: vLLM's empty output.
+    outputs_without_connector: int = 0
     # FakeWorker.rebuild: how many times the worker was rebuilt, and the transfers the dead ones had in flight.
     rebuilds: int = 0
     transfers_lost: int = 0
@@ -614,6 +616,11 @@ class FakeWorker:
             out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=worker_meta)
         if self.offload is not None:
             out.kv_connector_output = self._offload_post_forward(so, out.kv_connector_output)
+        if not so.total_num_scheduled_tokens:
+            # vLLM's model runner runs no forward (``ActiveKVConnector.no_forward``): the output carries the
+            # connector's alone, and is vLLM's empty output when that is empty (no update_connector_output then).
+            out = ModelRunnerOutput.with_kv_conn_output_only(out.kv_connector_output)
+            self.stats.outputs_without_connector += out.kv_connector_output is None
         return pickle.loads(pickle.dumps(out))
 
     def _offload_post_forward(self, so, hisparse_output):

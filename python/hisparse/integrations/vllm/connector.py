@@ -195,8 +195,10 @@ class HiSparseConnector(VllmHiSparseConnector):
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.selection_heat: SelectionHeat | None = None
         # Per scheduled step, oldest first: requests that started with a host import pending (a synchronous
-        # load by another connector; ``update_connector_output``).
+        # load by another connector; ``update_connector_output``), and whether the oldest step's output
+        # reached update_connector_output.
         self._sync_imports: deque[tuple[str, ...]] = deque()
+        self._output_taken = False
         super().__init__(vllm_config, role, kv_cache_config)
 
     # ------------------------------------------------------------------ scheduler role
@@ -310,12 +312,30 @@ class HiSparseConnector(VllmHiSparseConnector):
         misses them (``tests/test_vllm_agent.py``). Those ``_finish_loaded_imports`` found with their host pages
         still being written are finished here, once the step has run, as vLLM's own import path would have it."""
         super().update_connector_output(connector_output)
-        if self._sync_imports:
-            for request_id in self._sync_imports.popleft():
-                self.coordinator.finish_host_import(request_id, failed=False)  # a no-op once finished or freed
+        self._finish_step_imports()
+        self._output_taken = True
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HisparseWorkerMetadata) and meta.heat is not None:
             self.coordinator.report_heat(meta.heat)
+
+    def _finish_step_imports(self) -> None:
+        """Finishes the imports left for after the oldest step in flight (``_finish_loaded_imports``)."""
+        if self._sync_imports:
+            for request_id in self._sync_imports.popleft():
+                self.coordinator.finish_host_import(request_id, failed=False)  # a no-op once finished or freed
+
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's scheduler asks this once for every model output, after ``update_connector_output`` when the
+        output has a connector part (``update_from_output``). A step that scheduled no token and whose workers
+        report nothing comes back as vLLM's empty output, with none: its entry of ``_sync_imports`` (empty:
+        no request starts in a step without tokens) goes here, or every later step's imports would be
+        finished one output late, and a new import of a request re-admitted meanwhile before its pages hold
+        data."""
+        if self.connector_scheduler is not None:
+            if not self._output_taken:
+                self._finish_step_imports()
+            self._output_taken = False
+        return super().get_kv_connector_stats()
 
     # ------------------------------------------------------------------ worker role
 
