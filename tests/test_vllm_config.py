@@ -86,3 +86,22 @@ def test_a_host_pool_beyond_this_hosts_memory_is_refused_where_it_would_be_held(
     monkeypatch.setattr(connector, "_available_host_bytes", lambda: blocks * 200)
     with pytest.raises(ConfigError, match=f"the scheduler's record of its {blocks:,} blocks"):
         cls(vc, KVConnectorRole.SCHEDULER, kc)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "coldest"])
+def test_resident_groups_in_separate_pools_are_refused(policy):
+    """Both policies touch and release a page's blocks in every resident group with one call to their pool,
+    vLLM's one GPU pool: resident groups in pools of their own (not a layout vLLM 0.33 builds) are refused
+    when the coordinator is made, rather than released into the wrong pool."""
+    import copy
+
+    from hisparse.integrations.vllm.coordinator import COORDINATORS
+
+    setup = H.build(mode="hisparse", gpu_gib=1.0, max_model_len=8192, host_pool_gib=4)
+    manager = setup.scheduler.kv_cache_manager
+    managers = tuple(manager.coordinator.single_type_managers)
+    coordinator = setup.scheduler.connector.connector_scheduler.coordinator
+    coordinator.resident_managers[-1].block_pool = copy.copy(coordinator.gpu_pool)
+    with pytest.raises(ConfigError, match="do not share one GPU block pool"):
+        COORDINATORS[policy](manager.kv_cache_config, managers, manager.max_model_len,
+                             num_reprefillable_tokens=manager.coordinator.num_reprefillable_tokens)

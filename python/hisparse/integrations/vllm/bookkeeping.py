@@ -35,11 +35,16 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.hisparse.coordinator import HiSparseCoordinator, _PendingPublication
-from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES, SparseKVResidencyUpdate, SparseKVRowMirror
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator, _PendingPublication, _PendingSpill
+from vllm.v1.hisparse.types import (
+    ACTIVE_TAIL_PAGES,
+    SparseKVPageTransfer,
+    SparseKVResidencyUpdate,
+    SparseKVRowMirror,
+)
 
 from ..._core import BlockRows
-from ...errors import InvalidArgumentError, InvariantError
+from ...errors import ConfigError, InvalidArgumentError, InvariantError
 from .mirrors import RowMirrors
 
 if TYPE_CHECKING:
@@ -145,6 +150,10 @@ class Bookkeeping(HiSparseCoordinator):
         self.rows = BlockRows(max(1, len(self.resident_managers)), block_size)
         self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
         if self._recorder is not None:  # constants of publish_when_ready's test, read every step
+            if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
+                # vLLM's layout has one: a page's blocks are touched, freed and released in one call.
+                raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
+            self._gpu_blocks = self.gpu_pool.blocks  # by block id
             host = self.host_manager
             self._host_block_size = host.block_size
             self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
@@ -208,6 +217,8 @@ class Bookkeeping(HiSparseCoordinator):
                 held.add(request_id)
                 if self.rows.row(request_id, group) != block_ids(vllm_row(manager, group, request_id)):
                     raise InvariantError(f"request {request_id!r}: recorded row of group {group} differs from vLLM's")
+                if group is not None and self.rows.row_len(request_id, group) != self.rows.row_len(request_id, 0):
+                    raise InvariantError(f"request {request_id!r}: resident rows of different lengths")
         if len(self.rows) > len(held):
             raise InvariantError(f"{len(self.rows)} requests recorded, vLLM holds rows of {len(held)}")
         for request_id in held:
@@ -319,6 +330,105 @@ class Bookkeeping(HiSparseCoordinator):
             return {request_id: () for request_id in scheduled}, False, list(scheduled)
         packed, resident, busy = self.rows.scan(scheduled, computed, lookahead, back)
         return RowMirrors(*packed, len(self.resident_managers)), resident, busy
+
+    # ------------------------------------------------------------------ a page's blocks, from the core's rows
+    #
+    # vLLM's steps in a page's life (planning its host copy, releasing it, indexing its GPU copy for prefix
+    # hits) look the page up in each resident group's row, one call a group (six for DeepSeek-V3.2), and touch
+    # or release its blocks one group at a time; the page's blocks sit side by side in the core's rows, and
+    # the groups share one pool (checked in ``__init__``): one lookup, and one pool call where vLLM makes one
+    # a group with the same effect (``touch`` and ``unpin_blocks`` of a list are those of its blocks in turn).
+
+    def _page_blocks(self, request_id: str, page_idx: int) -> list | None:
+        """The page's GPU block in every resident group (vLLM's ``get_resident_page`` of each), or None when a
+        group has none or reads it from the host."""
+        ids = self.rows.blocks_at(request_id, (page_idx,))
+        if None in ids:
+            return None
+        blocks = self._gpu_blocks
+        return [blocks[block_id] for block_id in ids]
+
+    def _resident_page_blocks(self, request_id: str, page_idx: int) -> list | None:
+        # vLLM's: None for a page in the tail or not on the GPU. Every resident row has the same length
+        # (``check_rows``), the first's stands for all.
+        if self._recorder is None:
+            return super()._resident_page_blocks(request_id, page_idx)
+        if page_idx >= len(self.resident_managers[0].req_to_blocks.get(request_id, ())) - ACTIVE_TAIL_PAGES:
+            return None
+        return self._page_blocks(request_id, page_idx)
+
+    def _unpin_page(self, request_id: str, state, page_idx: int) -> bool:
+        if self._recorder is None:
+            return super()._unpin_page(request_id, state, page_idx)
+        if page_idx in state.pending_pages or page_idx not in state.valid_pages:
+            return False
+        blocks = self._resident_page_blocks(request_id, page_idx)
+        if blocks is None:
+            return False
+        owner = (request_id, page_idx)
+        for block in blocks:
+            self._owners.setdefault(block.block_id, set()).add(owner)
+        self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
+        state.pinned_clean.discard(page_idx)
+        state.unpinned_pages.add(page_idx)
+        return True
+
+    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
+        # vLLM's, whose test that every group holds the page on the GPU is _plan_page_transfer's first (it
+        # plans nothing and changes nothing when one does not).
+        if self._recorder is None:
+            return super().plan_prefix_materialization(request_id, num_computed_tokens)
+        page_tokens = self._host_block_size
+        state = self._get_request_state(request_id)
+        first = max(state.ready_prefix_pages, -(-self._pending_imports.get(request_id, 0) // page_tokens))
+        budget = self.max_spill_pages - len(self.spills_to_send)
+        for page_idx in range(first, num_computed_tokens // page_tokens):
+            if budget <= 0:
+                break
+            if (page_idx not in state.pending_pages and page_idx not in state.valid_pages
+                    and self._plan_page_transfer(request_id, page_idx, after_forward=True)):
+                budget -= 1
+
+    def _plan_page_transfer(self, request_id: str, page_idx: int, *, after_forward: bool,
+                            restore: bool = False) -> bool:
+        if self._recorder is None:
+            return super()._plan_page_transfer(request_id, page_idx, after_forward=after_forward, restore=restore)
+        state = self._get_request_state(request_id)
+        if page_idx in state.pending_pages:
+            return False
+        host_blocks = self.host_manager.req_to_blocks.get(request_id, ())
+        host_block = host_blocks[page_idx] if page_idx < len(host_blocks) else None
+        blocks = None if host_block is None or host_block.is_null else self._page_blocks(request_id, page_idx)
+        if blocks is None:
+            return False
+        self.host_manager.block_pool.touch([host_block])
+        self.gpu_pool.touch(blocks)
+        transfer_id = self.next_spill_id
+        self.next_spill_id += 1
+        resident = tuple(block.block_id for block in blocks)
+        self.spills_to_send.append(SparseKVPageTransfer(
+            transfer_id=transfer_id, host_block_id=host_block.block_id, resident_block_ids=resident,
+            after_forward=after_forward, restore=restore))
+        self.pending_spills[transfer_id] = _PendingSpill(
+            transfer_id=transfer_id, page=(request_id, page_idx), request_state=state, host_block=host_block,
+            resident_blocks=tuple(blocks), restore=restore)
+        state.pending_pages[page_idx] = transfer_id
+        return True
+
+    def _record_copy(self, request_id: str, page_idx: int, host_block) -> None:
+        # vLLM's: index the page's GPU blocks under its host block's hash, for later prefix hits.
+        if self._recorder is None:
+            return super()._record_copy(request_id, page_idx, host_block)
+        host_hash = host_block.block_hash
+        if host_block.is_null or host_hash is None:
+            return
+        blocks = self._page_blocks(request_id, page_idx)
+        if blocks is None:
+            return
+        self._drop_copy(host_hash)
+        self.copies[host_hash] = tuple(blocks)
+        for block in blocks:
+            self._copy_by_block[block.block_id] = host_hash
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the

@@ -67,10 +67,7 @@ class HisparseCoordinator(Bookkeeping):
     """vLLM's bookkeeping with hisparse's ``coldest`` decisions (module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
-            # The decisions count one pool's free blocks for every group (vLLM's layout has one).
-            raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
+        super().__init__(*args, **kwargs)  # the resident groups share one pool, whose free blocks we count
         self.blocks_per_page = len(self.resident_managers)
         self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
         # The release order, and the admission and transition decisions on this pool's counts (pool_policy.rs).
