@@ -13,9 +13,8 @@
 //! ([`BlockRows::quiet`]); a change of any of its rows wakes it, and [`BlockRows::scan`] sorts a batch, so
 //! the engine reads its state for the few requests that are not quiet.
 
-use std::collections::HashMap;
-
 use crate::error::{invalid, Result};
+use crate::ids::IdMap;
 
 /// A page with no GPU block in its group: it is read from the host (vLLM's null block).
 pub const HOST_ONLY: u32 = u32::MAX;
@@ -168,7 +167,7 @@ impl Scan {
 pub struct BlockRows {
     groups: usize,
     block_size: u32,
-    requests: HashMap<String, Rows>,
+    requests: IdMap<String, Rows>,
     /// Row changes so far: the engine tells whether any row changed between two of its calls.
     changes: u64,
 }
@@ -182,7 +181,7 @@ impl BlockRows {
                                     groups of {block_size}"
             ));
         }
-        Ok(Self { groups, block_size, requests: HashMap::new(), changes: 0 })
+        Ok(Self { groups, block_size, requests: IdMap::default(), changes: 0 })
     }
 
     pub fn groups(&self) -> usize {
