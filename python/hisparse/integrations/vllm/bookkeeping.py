@@ -338,6 +338,7 @@ class Bookkeeping(HiSparseCoordinator):
     # or release its blocks one group at a time; the page's blocks sit side by side in the core's rows, and
     # the groups share one pool (checked in ``__init__``): one lookup, and one pool call where vLLM makes one
     # a group with the same effect (``touch`` and ``unpin_blocks`` of a list are those of its blocks in turn).
+    # vLLM reaches these only with resident groups (its callers return first without), so with the rows.
 
     def _page_blocks(self, request_id: str, page_idx: int) -> list | None:
         """The page's GPU block in every resident group (vLLM's ``get_resident_page`` of each), or None when a
@@ -351,15 +352,11 @@ class Bookkeeping(HiSparseCoordinator):
     def _resident_page_blocks(self, request_id: str, page_idx: int) -> list | None:
         # vLLM's: None for a page in the tail or not on the GPU. Every resident row has the same length
         # (``check_rows``), the first's stands for all.
-        if self._recorder is None:
-            return super()._resident_page_blocks(request_id, page_idx)
         if page_idx >= len(self.resident_managers[0].req_to_blocks.get(request_id, ())) - ACTIVE_TAIL_PAGES:
             return None
         return self._page_blocks(request_id, page_idx)
 
     def _unpin_page(self, request_id: str, state, page_idx: int) -> bool:
-        if self._recorder is None:
-            return super()._unpin_page(request_id, state, page_idx)
         if page_idx in state.pending_pages or page_idx not in state.valid_pages:
             return False
         blocks = self._resident_page_blocks(request_id, page_idx)
@@ -376,8 +373,6 @@ class Bookkeeping(HiSparseCoordinator):
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
         # vLLM's, whose test that every group holds the page on the GPU is _plan_page_transfer's first (it
         # plans nothing and changes nothing when one does not).
-        if self._recorder is None:
-            return super().plan_prefix_materialization(request_id, num_computed_tokens)
         page_tokens = self._host_block_size
         state = self._get_request_state(request_id)
         first = max(state.ready_prefix_pages, -(-self._pending_imports.get(request_id, 0) // page_tokens))
@@ -391,8 +386,6 @@ class Bookkeeping(HiSparseCoordinator):
 
     def _plan_page_transfer(self, request_id: str, page_idx: int, *, after_forward: bool,
                             restore: bool = False) -> bool:
-        if self._recorder is None:
-            return super()._plan_page_transfer(request_id, page_idx, after_forward=after_forward, restore=restore)
         state = self._get_request_state(request_id)
         if page_idx in state.pending_pages:
             return False
@@ -417,8 +410,6 @@ class Bookkeeping(HiSparseCoordinator):
 
     def _record_copy(self, request_id: str, page_idx: int, host_block) -> None:
         # vLLM's: index the page's GPU blocks under its host block's hash, for later prefix hits.
-        if self._recorder is None:
-            return super()._record_copy(request_id, page_idx, host_block)
         host_hash = host_block.block_hash
         if host_block.is_null or host_hash is None:
             return
