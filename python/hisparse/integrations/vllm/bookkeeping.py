@@ -149,11 +149,12 @@ class Bookkeeping(HiSparseCoordinator):
         block_size = self.resident_managers[0].block_size if self.resident_managers else 1
         self.rows = BlockRows(max(1, len(self.resident_managers)), block_size)
         self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
-        if self._recorder is not None:  # constants of publish_when_ready's test, read every step
+        if self._recorder is not None:
             if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
                 # vLLM's layout has one: a page's blocks are touched, freed and released in one call.
                 raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
             self._gpu_blocks = self.gpu_pool.blocks  # by block id
+            # Constants of publish_when_ready's test, read every step.
             host = self.host_manager
             self._host_block_size = host.block_size
             self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
