@@ -127,6 +127,13 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     with pytest.raises(KeyError):
         busy({"a": 1}, {})
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
+    # A page's blocks in every group, page by page; by group, as a residency update sends them (the pool's
+    # null block where a group reads the page from the host, or has no block for it).
+    rows.set_page("a", 1, 0, None)
+    assert rows.blocks_at("a", [2, 0, 5]) == [12, 22, 10, None, None, None]
+    assert rows.blocks_by_group("a", [2, 0, 5], 0) == ([12, 10, 0], [22, 0, 0])
+    assert rows.blocks_by_group("nobody", [0], 7) == ([7], [7]) and rows.blocks_by_group("a", [], 0) == ([], [])
+    rows.set_page("a", 1, 0, 20)
     for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
                 lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):
         with pytest.raises(hisparse_errors.InvalidArgumentError):

@@ -138,14 +138,16 @@ pub struct Scan {
 }
 
 impl Scan {
-    fn new() -> Self {
+    /// Room for `steps` steps of one mirror each (a decode's, the usual step), so that a batch's scan
+    /// allocates each vector once: growing them a push at a time reallocated each several times a step.
+    fn with_capacity(steps: usize, groups: usize) -> Self {
         Self {
-            counts: Vec::new(),
-            sources: Vec::new(),
-            destinations: Vec::new(),
-            rows: Vec::new(),
+            counts: Vec::with_capacity(steps),
+            sources: Vec::with_capacity(steps * groups),
+            destinations: Vec::with_capacity(steps),
+            rows: Vec::with_capacity(steps),
             all_resident: true,
-            busy: Vec::new(),
+            busy: Vec::with_capacity(steps),
         }
     }
 
@@ -321,7 +323,7 @@ impl BlockRows {
     /// rows, when every resident group holds the page on the GPU and the host has a block for it (vLLM's
     /// `build_row_mirrors`: a page without either is skipped, its neighbours still mirrored).
     pub fn mirrors(&self, request: &str, start: u64, count: u64) -> Vec<Mirror> {
-        let mut scan = Scan::new();
+        let mut scan = Scan::with_capacity(1, self.groups);
         if let Some(rows) = self.requests.get(request) {
             let made = self.push_mirrors(rows, start, count, &mut scan);
             scan.counts.push(made);
@@ -389,7 +391,7 @@ impl BlockRows {
             }
         }
         std::hint::black_box(touched);
-        let mut scan = Scan::new();
+        let mut scan = Scan::with_capacity(steps.len(), self.groups);
         for (i, (step, rows)) in steps.iter().zip(found).enumerate() {
             let made =
                 rows.map_or(0, |rows| self.push_mirrors(rows, step.mirror_from, step.mirror_rows, &mut scan));

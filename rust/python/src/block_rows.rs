@@ -37,14 +37,14 @@ fn steps<'py>(
     scheduled: &Bound<'py, PyDict>,
     computed: &Bound<'py, PyDict>,
 ) -> PyResult<Vec<(Bound<'py, PyString>, u64, u64)>> {
-    scheduled
-        .iter()
-        .map(|(request, count)| {
-            let request = request.cast_into::<PyString>()?;
-            let start = item(computed, &request)?;
-            Ok((request, count.extract()?, start))
-        })
-        .collect()
+    // A loop, not a collect into `PyResult<Vec<_>>`, which cannot size the vector ahead.
+    let mut steps = Vec::with_capacity(scheduled.len());
+    for (request, count) in scheduled.iter() {
+        let request = request.cast_into::<PyString>()?;
+        let start = item(computed, &request)?;
+        steps.push((request, count.extract()?, start));
+    }
+    Ok(steps)
 }
 
 /// ``group``: a resident group's index, or ``None`` for the host row.
@@ -119,6 +119,23 @@ impl BlockRows {
         ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
     }
 
+    /// Every resident group's blocks of ``pages``, a list a group in ``pages``' order, ``null`` where the group
+    /// reads the page from the host or has no block for it: the block ids of a residency update (vLLM's
+    /// ``SparseKVResidencyUpdate``), whose groups share one pool and so one null block.
+    fn blocks_by_group<'py>(
+        &self,
+        py: Python<'py>,
+        request: &str,
+        pages: Vec<usize>,
+        null: u32,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let (ids, groups) = self.with(|r| (r.blocks_at(request, &pages), r.groups()));
+        let filled =
+            |g: usize| ids.iter().skip(g).step_by(groups).map(|&id| if id == HOST_ONLY { null } else { id });
+        let lists = (0..groups).map(|g| PyList::new(py, filled(g))).collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
+    }
+
     /// ``request`` needs no bookkeeping in a step ending below ``tokens`` until one of its rows changes or it
     /// is woken (the core's ``BlockRows::quiet``).
     fn quiet(&self, request: &str, tokens: u64) {
@@ -179,10 +196,10 @@ impl BlockRows {
             py,
             [
                 ids.into_any(),
-                packed(py, scan.counts.iter().map(|n| n.to_ne_bytes())),
-                wide(&scan.sources),
-                wide(&scan.destinations),
-                packed(py, scan.rows.iter().map(|&n| i64::from(n).to_ne_bytes())),
+                packed(py, scan.counts.iter().map(|n| n.to_ne_bytes()))?,
+                wide(&scan.sources)?,
+                wide(&scan.destinations)?,
+                packed(py, scan.rows.iter().map(|&n| i64::from(n).to_ne_bytes()))?,
             ],
         )?;
         Ok((mirrors, scan.all_resident, busy))
@@ -193,9 +210,18 @@ impl BlockRows {
     }
 }
 
-/// Native-endian fixed-width integers as ``bytes`` (what [`ints`] reads back).
-fn packed<'py, const N: usize>(py: Python<'py>, values: impl Iterator<Item = [u8; N]>) -> Bound<'py, PyAny> {
-    PyBytes::new(py, values.collect::<Vec<_>>().as_flattened()).into_any()
+/// Native-endian fixed-width integers as ``bytes`` (what [`ints`] reads back), written in place.
+fn packed<'py, const N: usize>(
+    py: Python<'py>,
+    values: impl ExactSizeIterator<Item = [u8; N]>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let bytes = PyBytes::new_with(py, values.len() * N, |buf| {
+        for (slot, value) in buf.chunks_exact_mut(N).zip(values) {
+            slot.copy_from_slice(&value);
+        }
+        Ok(())
+    })?;
+    Ok(bytes.into_any())
 }
 
 /// Native-endian fixed-width integers out of ``bytes``; an error naming ``what`` when the length is not a

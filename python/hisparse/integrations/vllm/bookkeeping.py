@@ -154,6 +154,7 @@ class Bookkeeping(HiSparseCoordinator):
                 # vLLM's layout has one: a page's blocks are touched, freed and released in one call.
                 raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
             self._gpu_blocks = self.gpu_pool.blocks  # by block id
+            self._null_block_id = self.gpu_pool.null_block.block_id
             # Constants of publish_when_ready's test, read every step.
             host = self.host_manager
             self._host_block_size = host.block_size
@@ -428,9 +429,7 @@ class Bookkeeping(HiSparseCoordinator):
         from the core's rows (one call a request for every group) instead of each group's row in Python."""
         if self._recorder is None or not self.resident_managers:
             return super().take_residency_updates(request_ids)
-        rows = self.resident_managers[0].req_to_blocks
-        nulls = [manager.block_pool.null_block.block_id for manager in self.resident_managers]
-        groups = len(nulls)
+        rows, null = self.resident_managers[0].req_to_blocks, self._null_block_id
         updates = {}
         for request_id in request_ids:
             state = self._get_request_state(request_id)
@@ -439,9 +438,8 @@ class Bookkeeping(HiSparseCoordinator):
             if not state.stale_pages and start >= num_pages:
                 continue
             pages = [*sorted(state.stale_pages), *range(start, num_pages)]
-            blocks = self.rows.blocks_at(request_id, pages)  # page by page, every group's
-            updates[request_id] = SparseKVResidencyUpdate(pages=pages, block_ids=tuple(
-                [null if block is None else block for block in blocks[g::groups]] for g, null in enumerate(nulls)))
+            updates[request_id] = SparseKVResidencyUpdate(pages=pages,
+                                                          block_ids=self.rows.blocks_by_group(request_id, pages, null))
             state.stale_pages.clear()
             state.synced_pages = num_pages
         return updates
