@@ -133,6 +133,9 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert rows.blocks_at("a", [2, 0, 5]) == [12, 22, 10, None, None, None]
     assert rows.blocks_by_group("a", [2, 0, 5], 0) == ([12, 10, 0], [22, 0, 0])
     assert rows.blocks_by_group("nobody", [0], 7) == ([7], [7]) and rows.blocks_by_group("a", [], 0) == ([], [])
+    blocks = [f"block {i}" for i in range(23)]  # stands for vLLM's pool's blocks, by id
+    assert rows.page_blocks("a", 2, blocks) == ["block 12", "block 22"]
+    assert rows.page_blocks("a", 0, blocks) is None and rows.page_blocks("a", 5, blocks) is None
     rows.set_page("a", 1, 0, 20)
     for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
                 lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):

@@ -119,6 +119,23 @@ impl BlockRows {
         ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
     }
 
+    /// The page's block in every resident group as ``blocks[id]`` (vLLM's pool's blocks, by id), or ``None``
+    /// when a group reads the page from the host or has no block for it.
+    fn page_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request: &str,
+        page: usize,
+        blocks: &Bound<'py, PyList>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let ids = self.with(|r| r.blocks_at(request, &[page]));
+        if ids.contains(&HOST_ONLY) {
+            return Ok(None);
+        }
+        let found = ids.iter().map(|&id| blocks.get_item(id as usize)).collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, found).map(Some)
+    }
+
     /// Every resident group's blocks of ``pages``, a list a group in ``pages``' order, ``null`` where the group
     /// reads the page from the host or has no block for it: the block ids of a residency update (vLLM's
     /// ``SparseKVResidencyUpdate``), whose groups share one pool and so one null block.

@@ -345,11 +345,7 @@ class Bookkeeping(HiSparseCoordinator):
     def _page_blocks(self, request_id: str, page_idx: int) -> list | None:
         """The page's GPU block in every resident group (vLLM's ``get_resident_page`` of each), or None when a
         group has none or reads it from the host."""
-        ids = self.rows.blocks_at(request_id, (page_idx,))
-        if None in ids:
-            return None
-        blocks = self._gpu_blocks
-        return [blocks[block_id] for block_id in ids]
+        return self.rows.page_blocks(request_id, page_idx, self._gpu_blocks)
 
     def _resident_page_blocks(self, request_id: str, page_idx: int) -> list | None:
         # vLLM's: None for a page in the tail or not on the GPU. Every resident row has the same length
@@ -597,7 +593,8 @@ class Bookkeeping(HiSparseCoordinator):
         # transfer completes only in a step that reports it. So vLLM's runs over the reported ones alone, in
         # its order (by id, the order they were planned in), and its removals are applied to the whole table.
         everything = self.pending_spills
-        reported = sorted({*enqueued_counts, *completed_counts}.intersection(everything))
+        reported = sorted(transfer_id for transfer_id in {*enqueued_counts, *completed_counts}
+                          if transfer_id in everything)
         self.pending_spills = {transfer_id: everything[transfer_id] for transfer_id in reported}
         try:
             super().update_spills(enqueued_counts, completed_counts)
