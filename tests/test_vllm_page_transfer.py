@@ -40,6 +40,17 @@ def _use_vllms(coord) -> None:
         setattr(coord, name, types.MethodType(getattr(HiSparseCoordinator, name), coord))
 
 
+def _ours_and_vllms(scenario):
+    """``scenario()`` built twice, the second with vLLM's methods (``_use_vllms``): ``(*scenario(), coordinator)``
+    for each."""
+    for vllms in (False, True):
+        built = scenario()
+        (coord,) = H.hisparse_coordinators(built[0].scheduler)
+        if vllms:
+            _use_vllms(coord)
+        yield *built, coord
+
+
 def _plan_branch(coord, request_id: str, page: int) -> str:
     """Which of vLLM's conditions decides ``_plan_page_transfer`` (``coordinator.py:576-591``), read from vLLM's
     managers, not from the core's rows."""
@@ -129,11 +140,7 @@ def _pressure():
 @pytest.mark.parametrize("scenario", [_imports, _whole_restores, _pressure], ids=lambda f: f.__name__[1:])
 def test_every_call_in_vllms_traffic_decides_and_changes_what_vllms_does(scenario):
     runs = []
-    for vllms in (False, True):
-        setup, jobs, then, mtp = scenario()
-        (coord,) = H.hisparse_coordinators(setup.scheduler)
-        if vllms:
-            _use_vllms(coord)
+    for setup, jobs, then, mtp, coord in _ours_and_vllms(scenario):
         calls, steps = [], []
         _trace(coord, calls)
         # Transfers complete two steps late, as a GPU's DMA would: pages stay in flight across steps.
@@ -276,11 +283,7 @@ def test_early_returns_vllms_scheduler_never_reaches_match_vllms_on_its_state():
       (``distributed/kv_transfer/kv_connector/v1/offloading_connector.py:164-181``): published blocks.
     """
     results = []
-    for vllms in (False, True):
-        setup, jobs, then, _ = _pressure()
-        (coord,) = H.hisparse_coordinators(setup.scheduler)
-        if vllms:
-            _use_vllms(coord)
+    for setup, jobs, _, _, coord in _ours_and_vllms(_pressure):
         found = []
 
         def on_step(_, coord=coord, jobs=jobs, found=found):
