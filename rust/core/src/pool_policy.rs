@@ -23,10 +23,9 @@
 //! A summary comes from vLLM's worker (`hisparse.integrations.vllm.heat`) with the request ids of its
 //! batch: its `requests` are indices into them. `fifo` never reports heat.
 
-use std::collections::HashMap;
-
 use crate::error::{invalid, Result};
 use crate::heat::HeatSummary;
+use crate::ids::IdMap;
 
 /// Where a page stands in a request's release order: its tier, then its rank inside the tier.
 type Rank = (u8, u32);
@@ -38,7 +37,7 @@ const HOTTEST: u8 = 2;
 #[derive(Debug, Default)]
 struct Ranking {
     /// Listed page -> its rank (tier and position in the summary's order).
-    listed: HashMap<u32, Rank>,
+    listed: IdMap<u32, Rank>,
 }
 
 impl Ranking {
@@ -208,7 +207,7 @@ impl PoolShape {
 /// are [`PoolShape`]'s: they keep no state.
 #[derive(Debug, Default)]
 pub struct PoolPolicy {
-    requests: HashMap<String, Ranking>,
+    requests: IdMap<String, Ranking>,
 }
 
 impl PoolPolicy {
@@ -230,7 +229,8 @@ impl PoolPolicy {
             ));
         }
         for (i, &index) in summary.requests.iter().enumerate() {
-            let mut r = Ranking::default();
+            let listed = (summary.offsets[i + 1] - summary.offsets[i]) as usize;
+            let mut r = Ranking { listed: IdMap::with_capacity_and_hasher(listed, Default::default()) };
             for (k, (_, page)) in summary.coldest(i).enumerate() {
                 r.listed.insert(page, (COLDEST, k as u32));
             }
