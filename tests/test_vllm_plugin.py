@@ -127,10 +127,9 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     with pytest.raises(KeyError):
         busy({"a": 1}, {})
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
-    # A page's blocks in every group, page by page; by group, as a residency update sends them (the pool's
-    # null block where a group reads the page from the host, or has no block for it).
+    # A page's blocks in every group by group, as a residency update sends them (the pool's null block where a
+    # group reads the page from the host, or has no block for it); a page's blocks as the pool's objects.
     rows.set_page("a", 1, 0, None)
-    assert rows.blocks_at("a", [2, 0, 5]) == [12, 22, 10, None, None, None]
     assert rows.blocks_by_group("a", [2, 0, 5], 0) == ([12, 10, 0], [22, 0, 0])
     assert rows.blocks_by_group("nobody", [0], 7) == ([7], [7]) and rows.blocks_by_group("a", [], 0) == ([], [])
     blocks = [f"block {i}" for i in range(23)]  # stands for vLLM's pool's blocks, by id

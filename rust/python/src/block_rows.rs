@@ -112,13 +112,6 @@ impl BlockRows {
         self.with(|r| r.row_len(request, row(group)))
     }
 
-    /// Every resident group's block of each page, page by page (``len(pages) x groups`` ids, ``None`` where a
-    /// group reads the page from the host or has no block for it).
-    fn blocks_at(&self, request: &str, pages: Vec<usize>) -> Vec<Option<u32>> {
-        let ids = self.with(|r| r.blocks_at(request, &pages));
-        ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
-    }
-
     /// The page's block in every resident group as ``blocks[id]`` (vLLM's pool's blocks, by id), or ``None``
     /// when a group reads the page from the host or has no block for it.
     fn page_blocks<'py>(
