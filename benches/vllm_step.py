@@ -9,14 +9,19 @@ CPU time. vLLM alone runs only the requests that fit, so compare its step with t
 too. Prints one JSON line: per N and mode, the median, mean and longest step in microseconds, the mean number of
 running requests while timed, the median step per running request, and for the HiSparse modes the median of the
 part of the step spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running
-request: ``build_connector_meta``, ``update_connector_output`` and the HiSparse host group's ``cache_blocks``, the
-call vLLM's KV cache manager makes for every request every step, which hands it to the coordinator's
-``publish_when_ready``; hisparse replaces vLLM's scans there; the rest of the step is vLLM's scheduler and KV
-cache manager, the same code in both), with hisparse's over native's per running request
-(``hisparse_over_native``), and the mean per running request beside the median (``connector_mean_...``: a step
-in which a request seals a page, its host copy planned and completed, its GPU copy indexed, an older page
-released, costs several times one in which none does; at N = 32 about half the steps are such steps, so there
-the median falls anywhere between the two kinds, where the mean is the CPU the connector takes), and the median
+request). That part is every call vLLM makes into it: ``build_connector_meta`` and ``update_connector_output``;
+the HiSparse host group's ``cache_blocks``, which vLLM's KV cache manager calls for every request every step
+and which hands it to the coordinator's ``publish_when_ready``; the coordinator's ``_on_block_reused``, when the
+pool hands out a released page's block, and ``free``; and for hisparse the record of each allocation's new
+blocks in the core (``_RowRecorder.allocated``). hisparse replaces vLLM's scans there. The rest of the step is
+vLLM's scheduler and KV cache manager, the same code in both, but for hisparse's wraps of vLLM's managers, which
+only the step counts: the call each scheduled request makes through the allocation's wrap, and those around
+vLLM's rare row changes (admissions, copy-on-write, adoptions and frees). Then hisparse's over native's per
+running request (``hisparse_over_native``), and the mean per running request beside the median
+(``connector_mean_...``: a step in which a request seals a page, its host copy planned and completed, its GPU
+copy indexed, an older page released, costs several times one in which none does; at N = 32 about half the
+steps are such steps, so there the median falls anywhere between the two kinds, where the mean is the CPU the
+connector takes), and the median
 bytes and time of pickling the connector metadata as vLLM's multi-process executor sends it to its workers
 (``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
@@ -66,6 +71,7 @@ class Engine:
         self.running: list[int] = []
         self.most = self.settled = 0
         self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
+        self.depth = 0  # timed calls under way: one made from another is counted in the outer one
         self.connector_times: list[float] = []
         self.metadata: list[tuple[int, float]] = []  # (pickled bytes, seconds to pickle) per timed step
         connector = self.sched.connector
@@ -74,19 +80,27 @@ class Engine:
             # per request: the wall clock, whose read costs a quarter of the thread clock's (a system call of
             # about 0.5 us here, as much as hisparse's whole call), and which a call this short rarely loses
             # to another thread.
+            coordinator = connector.connector_scheduler.coordinator
             for owner, name, clock in ((connector, "build_connector_meta", time.thread_time),
                                        (connector, "update_connector_output", time.thread_time),
-                                       (connector.connector_scheduler.coordinator.host_manager, "cache_blocks",
-                                        time.perf_counter)):
-                setattr(owner, name, self._timed(getattr(owner, name), clock))
+                                       (coordinator.host_manager, "cache_blocks", time.perf_counter),
+                                       (coordinator, "_on_block_reused", time.perf_counter),
+                                       (coordinator, "free", time.perf_counter),
+                                       (getattr(coordinator, "_recorder", None), "allocated", time.perf_counter)):
+                if owner is not None:
+                    setattr(owner, name, self._timed(getattr(owner, name), clock))
 
     def _timed(self, method, clock):
         def timed(*args, **kwargs):
+            if self.depth:
+                return method(*args, **kwargs)
+            self.depth += 1
             t0 = clock()
             try:
                 return method(*args, **kwargs)
             finally:
                 self.in_connector += clock() - t0
+                self.depth -= 1
 
         return timed
 

@@ -188,13 +188,13 @@ class Bookkeeping(HiSparseCoordinator):
         by_manager = {id(manager): group for manager, group in self._recorder.groups}
         group_ids = [(kv_group, manager, by_manager[id(manager)]) for kv_group, manager
                      in enumerate(pools.single_type_managers) if id(manager) in by_manager]
-        allocate, record = pools.allocate_new_blocks, self._recorder.allocated
+        allocate, recorder = pools.allocate_new_blocks, self._recorder
 
         def allocate_new_blocks(request_id: str, num_tokens: int, num_tokens_main_model: int,
                                 num_encoder_tokens: int = 0):
             new_blocks = allocate(request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
             if any(new_blocks):
-                record(request_id, new_blocks, group_ids)
+                recorder.allocated(request_id, new_blocks, group_ids)
             return new_blocks
 
         pools.allocate_new_blocks = allocate_new_blocks
