@@ -228,10 +228,12 @@ def _probe(coord, jobs) -> list | None:
     row[page] = real
     record("null host block", rid, page, null)
     # (c) A page read from the host: lost in every group (vLLM's state, unmutated), then in the last group only
-    # (dropped as _lose_page drops it, through vLLM's manager so the core's record follows; then adopted back).
+    # (dropped as _lose_page drops it, through vLLM's manager, and recorded in the core as _lose_page records
+    # a loss; then adopted back, through vLLM's manager, whose adoptions the core records).
     plan("lost page", rid, lost[0])
     record("lost page", rid, lost[0], row[lost[0]])
     block = managers[-1].drop_resident_page(rid, page)
+    coord.rows.set_page(rid, len(managers) - 1, page, None)
     plan("one group reads it from the host", rid, page)
     record("one group reads it from the host", rid, page, row[page])
     assert managers[-1].adopt_resident_page(rid, page, block)

@@ -82,8 +82,8 @@ def test_pool_policy_takes_the_cores_heat_summary():
 def test_block_rows_mirror_what_vllms_scan_mirrors():
     """``BlockRows`` (the core's record of vLLM's rows): mirrors as vLLM's ``build_row_mirrors`` makes them,
     packed and read back as vLLM's mapping (``RowMirrors``: equal to vLLM's dict, pickled as its bytes);
-    pages read from the host counted; quiet requests left out of the busy ones until a row changes; bad
-    records refused whole."""
+    pages read from the host counted; quiet requests left out of the busy ones until a row changes; a lost
+    page dropped in every resident row; bad records refused whole."""
     import pickle
 
     from vllm.v1.hisparse.types import SparseKVRowMirror
@@ -141,6 +141,10 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
         with pytest.raises(hisparse_errors.InvalidArgumentError):
             bad()
     assert rows.row("a", 0) == [10, 11, 12] and len(rows) == 1
+    # A lost page: read from the host in every resident row, the host row as it was; no rows, nothing.
+    rows.drop_page("a", 1)
+    rows.drop_page("nobody", 0)
+    assert [rows.row("a", group)[1] for group in (0, 1, None)] == [None, None, 31] and len(rows) == 1
     for group in (0, 1, None):
         rows.clear("a", group)
     assert len(rows) == 0

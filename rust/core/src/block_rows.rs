@@ -256,6 +256,19 @@ impl BlockRows {
         Ok(())
     }
 
+    /// The engine stopped reading `request`'s `page` from the GPU (its blocks were reused): [`HOST_ONLY`] in
+    /// every resident row that has the page. A request without rows has none to drop.
+    pub fn drop_page(&mut self, request: &str, page: usize) {
+        let Some(rows) = self.requests.get_mut(request) else { return };
+        for k in 0..self.groups {
+            if page < rows.lens[k] {
+                rows.set_page(k, page, HOST_ONLY).expect("a page within the row");
+            }
+        }
+        rows.quiet_below = 0;
+        self.changes += 1;
+    }
+
     /// A row was given back (its request freed or preempted); a request with no row left is forgotten.
     pub fn clear(&mut self, request: &str, row: Row) -> Result<()> {
         self.set(request, row, Vec::new())?;
@@ -503,6 +516,11 @@ mod tests {
         assert_eq!(rows.row("a", Row::Resident(1)), vec![20, 21, 22]);
         assert_eq!(rows.row("a", Row::Host), vec![30, 31, 32, 33, 34]);
         assert_eq!((rows.row_len("a", Row::Host), rows.row_len("a", Row::Resident(0))), (5, 2));
+        rows.drop_page("a", 2);
+        rows.drop_page("nobody", 0);
+        assert_eq!(rows.blocks_at("a", &[2]), vec![HOST_ONLY, HOST_ONLY], "group 0 has no page 2 to drop");
+        assert_eq!((rows.row_len("a", Row::Resident(0)), rows.row("a", Row::Host)[2]), (2, 32));
+        rows.set_page("a", Row::Resident(1), 2, 22).unwrap();
         assert_eq!(rows.blocks_at("a", &[1, 2]), vec![1, 21, HOST_ONLY, 22]);
         assert!(!rows.all_resident("a", 8));
         rows.set("a", Row::Resident(0), vec![5, 6, 7, 8]).unwrap();

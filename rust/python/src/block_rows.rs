@@ -90,6 +90,12 @@ impl BlockRows {
         self.with(|r| r.set_page(request, row(group), page, id)).py()
     }
 
+    /// The engine stopped reading the page from the GPU: read from the host in every resident row that has
+    /// it (what vLLM's ``drop_resident_page`` does to each group's row); nothing for a request without rows.
+    fn drop_page(&self, request: &str, page: usize) {
+        self.with(|r| r.drop_page(request, page));
+    }
+
     /// A row was given back; a request with no row left is forgotten.
     fn clear(&self, request: &str, group: Option<usize>) -> PyResult<()> {
         self.with(|r| r.clear(request, row(group))).py()

@@ -9,8 +9,8 @@ connector rescans every scheduled request's rows in Python every step (``build_r
 - the rows live in the Rust core too (``BlockRows``, ``rust/core/src/block_rows.rs``): vLLM's managers
   remain the one allocator of block ids, and the core records each row as they change it (``_RowRecorder``:
   new blocks after each allocation, a whole row after an admission or an import, one page when it is
-  adopted, dropped or copied on write, nothing once freed), so the scans run in Rust over integers, for
-  the whole batch in one call;
+  adopted or copied on write, a lost page in every group at once, nothing once freed), so the scans run in
+  Rust over integers, for the whole batch in one call;
 - the scans that read vLLM's per-request state skip requests whose step changes nothing: the core keeps
   a request found to need none of them until it seals a page quiet (``settle``) until one of its rows
   changes or an event wakes it, and sorts each step's batch in the call that mirrors it (``scan``), so a
@@ -75,10 +75,12 @@ def _pins_past_tail(state: Any, pages: int) -> bool:
 
 class _RowRecorder:
     """Keeps ``BlockRows`` equal to vLLM's rows by wrapping, on vLLM's manager objects, the methods that change
-    a row in place (rare: admissions, imports, adoptions, losses, copy-on-write, frees). Rows grow every
-    ``block_size`` tokens through the KV cache coordinator's ``allocate_new_blocks``, wrapped once for all
-    groups (``Bookkeeping.bind``). A record that cannot be applied (it would mean a change made elsewhere)
-    re-reads the row from vLLM, counted in ``rows_reread``."""
+    a row in place (rare: admissions, imports, adoptions, copy-on-write, frees). Rows grow every ``block_size``
+    tokens through the KV cache coordinator's ``allocate_new_blocks``, wrapped once for all groups
+    (``Bookkeeping.bind``). A lost page, dropped by vLLM's coordinator in every group, is recorded once for all
+    (``Bookkeeping._lose_page``); vLLM's ``free`` drops its request's pages too, unrecorded, as its rows are
+    given back next (``pop_blocks_for_free``). A record that cannot be applied (it would mean a change made
+    elsewhere) re-reads the row from vLLM, counted in ``rows_reread``."""
 
     def __init__(self, book: Bookkeeping) -> None:
         self.book = book
@@ -118,8 +120,6 @@ class _RowRecorder:
         else:
             after("adopt_resident_page", lambda request_id, adopted, page, block: adopted and self.rows.set_page(
                 request_id, group, page, block.block_id))
-            after("drop_resident_page", lambda request_id, dropped, page: dropped is not None and self.rows.set_page(
-                request_id, group, page, None))
 
     def allocated(self, request_id: str, new_blocks: tuple[list, ...], group_ids: list[tuple[int, Any, int | None]]
                   ) -> None:
@@ -492,8 +492,11 @@ class Bookkeeping(HiSparseCoordinator):
         self.rows.wake(request_id)
 
     def _lose_page(self, request_id: str, page_idx: int) -> None:
+        # vLLM's drops the page in each resident group (a request it still tracks): recorded here in one call.
+        tracked = request_id in self.request_states
         super()._lose_page(request_id, page_idx)
-        self.rows.wake(request_id)
+        if tracked:
+            self.rows.drop_page(request_id, page_idx)  # which wakes it
 
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
         super().commit_computed_blocks(request_id, num_host_pages)
