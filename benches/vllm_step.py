@@ -9,21 +9,27 @@ CPU time. vLLM alone runs only the requests that fit, so compare its step with t
 too. Prints one JSON line: per N and mode, the median, mean and longest step in microseconds, the mean number of
 running requests while timed, the median step per running request, and for the HiSparse modes the median of the
 part of the step spent in the HiSparse connector's own bookkeeping (``connector_median_us``, and per running
-request). That part is every call vLLM makes into it: ``build_connector_meta`` and ``update_connector_output``;
-the HiSparse host group's ``cache_blocks``, which vLLM's KV cache manager calls for every request every step
-and which hands it to the coordinator's ``publish_when_ready``; the coordinator's ``_on_block_reused``, when the
-pool hands out a released page's block, and ``free``; and for hisparse the record of each allocation's new
-blocks in the core (``_RowRecorder.allocated``). hisparse replaces vLLM's scans there. The rest of the step is
-vLLM's scheduler and KV cache manager, the same code in both, but for hisparse's wraps of vLLM's managers, which
-only the step counts: the call each scheduled request makes through the allocation's wrap, and those around
-vLLM's rare row changes (admissions, copy-on-write, adoptions and frees). Then hisparse's over native's per
-running request (``hisparse_over_native``), and the mean per running request beside the median
-(``connector_mean_...``: a step in which a request seals a page, its host copy planned and completed, its GPU
-copy indexed, an older page released, costs several times one in which none does; at N = 32 about half the
-steps are such steps, so there the median falls anywhere between the two kinds, where the mean is the CPU the
-connector takes), and the median
-bytes and time of pickling the connector metadata as vLLM's multi-process executor sends it to its workers
-(``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this harness's in-process worker does not pay).
+request). That part is every call vLLM's scheduler and KV cache manager make into the HiSparse connector and
+coordinator: the connector's scheduler side (``get_num_new_matched_tokens``, where hisparse decides admissions,
+``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``, ``get_kv_connector_stats``,
+``request_finished_all_groups``); the HiSparse host group's ``cache_blocks``, which vLLM's KV cache manager calls
+for every request every step and which hands it to the coordinator's ``publish_when_ready``; the coordinator's
+``_on_block_reused`` (when the pool hands out a released page's block), ``free``, ``commit_computed_blocks`` and
+``record_pending_host_import``; and for hisparse the record of each allocation's new blocks in the core
+(``_RowRecorder.allocated``). hisparse replaces vLLM's scans there. The rest of the step is vLLM's scheduler and
+KV cache manager, the same code in both, but for hisparse's wraps of vLLM's objects, which only the step counts:
+the call each scheduled request makes through the wraps of the allocation and, under ``coldest``, of
+``allocate_slots`` and of the block count (requests restored whole), and those around vLLM's rare row changes
+(admissions, copy-on-write, adoptions and frees). At the defaults both modes make the same calls (as many
+frees, as many released blocks handed out); where ``coldest`` decides otherwise than vLLM (other contexts,
+waiting requests), the figure holds those decisions' work too, and ``policy: fifo`` would compare bookkeeping
+alone. Then hisparse's over native's per running request (``hisparse_over_native``), and the mean per
+running request beside the median (``connector_mean_...``: a step in which a request seals a page, its host
+copy planned and completed, its GPU copy indexed, an older page released, costs several times one in which
+none does; at N = 32 about half the steps are such steps, so there the median falls anywhere between the two
+kinds, where the mean is the CPU the connector takes), and the median bytes and time of pickling the connector
+metadata as vLLM's multi-process executor sends it to its workers (``metadata_bytes``, ``metadata_pickle_us``:
+scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring.
 
@@ -81,12 +87,15 @@ class Engine:
             # about 0.5 us here, as much as hisparse's whole call), and which a call this short rarely loses
             # to another thread.
             coordinator = connector.connector_scheduler.coordinator
-            for owner, name, clock in ((connector, "build_connector_meta", time.thread_time),
-                                       (connector, "update_connector_output", time.thread_time),
-                                       (coordinator.host_manager, "cache_blocks", time.perf_counter),
-                                       (coordinator, "_on_block_reused", time.perf_counter),
-                                       (coordinator, "free", time.perf_counter),
-                                       (getattr(coordinator, "_recorder", None), "allocated", time.perf_counter)):
+            per_step = ("build_connector_meta", "update_connector_output", "get_kv_connector_stats")
+            calls = [(connector, name, time.thread_time) for name in per_step]
+            calls += [(connector, name, time.perf_counter) for name in ("get_num_new_matched_tokens",
+                      "update_state_after_alloc", "request_finished_all_groups")]
+            calls += [(coordinator, name, time.perf_counter) for name in ("_on_block_reused", "free",
+                      "commit_computed_blocks", "record_pending_host_import")]
+            calls += [(coordinator.host_manager, "cache_blocks", time.perf_counter),
+                      (getattr(coordinator, "_recorder", None), "allocated", time.perf_counter)]
+            for owner, name, clock in calls:
                 if owner is not None:
                     setattr(owner, name, self._timed(getattr(owner, name), clock))
 
