@@ -87,16 +87,17 @@ class Engine:
             # about 0.5 us here, as much as hisparse's whole call), and which a call this short rarely loses
             # to another thread.
             coordinator = connector.connector_scheduler.coordinator
-            per_step = ("build_connector_meta", "update_connector_output", "get_kv_connector_stats")
-            calls = [(connector, name, time.thread_time) for name in per_step]
-            calls += [(connector, name, time.perf_counter) for name in ("get_num_new_matched_tokens",
-                      "update_state_after_alloc", "request_finished_all_groups")]
-            calls += [(coordinator, name, time.perf_counter) for name in ("_on_block_reused", "free",
-                      "commit_computed_blocks", "record_pending_host_import")]
-            calls += [(coordinator.host_manager, "cache_blocks", time.perf_counter),
-                      (getattr(coordinator, "_recorder", None), "allocated", time.perf_counter)]
-            for owner, name, clock in calls:
-                if owner is not None:
+            per_request = time.perf_counter
+            for owner, clock, names in (
+                    (connector, time.thread_time,
+                     ("build_connector_meta", "update_connector_output", "get_kv_connector_stats")),
+                    (connector, per_request,
+                     ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished_all_groups")),
+                    (coordinator, per_request,
+                     ("_on_block_reused", "free", "commit_computed_blocks", "record_pending_host_import")),
+                    (coordinator.host_manager, per_request, ("cache_blocks",)),
+                    (getattr(coordinator, "_recorder", None), per_request, ("allocated",))):  # hisparse's only
+                for name in names if owner is not None else ():
                     setattr(owner, name, self._timed(getattr(owner, name), clock))
 
     def _timed(self, method, clock):
