@@ -33,8 +33,17 @@ scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring.
 
+With ``--breakdown``, each HiSparse mode also prints where its connector part goes (``breakdown``: per label,
+the median and mean microseconds a step and the calls a step, each call timed whole, callees included, and only
+when made from within the connector part): the coordinator's phases (``coordinator.*``: hisparse's scan in the
+core, and the phases vLLM's connector calls in both modes), and vLLM's own calls that either coordinator must
+make for the same decisions (``vllm.*``: the GPU and host pools' touch, free and release, the host prefix cache's
+publication, the resident rows' page drops and adoptions, the hot regions asked for), with their sum per running
+request (``vllm_calls_mean_us_per_running``): what no rewrite of the bookkeeping can take off. Those timers
+cost time too: compare modes within a --breakdown run, and take the headline figures from a run without it.
+
     .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
-                                          [--context 16384 131072]
+                                          [--context 16384 131072] [--breakdown]
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ CONTEXT = 65536
 class Engine:
     """One vLLM scheduler (``mode``) with N requests of ``context`` tokens and a bookkeeping-only fake worker."""
 
-    def __init__(self, mode: str, n: int, context: int = CONTEXT):
+    def __init__(self, mode: str, n: int, context: int = CONTEXT, breakdown: bool = False):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -99,6 +108,12 @@ class Engine:
                     (getattr(coordinator, "_recorder", None), per_request, ("allocated",))):  # hisparse's only
                 for name in names if owner is not None else ():
                     setattr(owner, name, self._timed(getattr(owner, name), clock))
+            if breakdown:
+                for label, owner, name in parts(coordinator):
+                    setattr(owner, name, self._part(label, getattr(owner, name)))
+        self.part_times: dict[str, float] = {}  # label -> seconds in the current step (--breakdown)
+        self.part_calls: dict[str, int] = {}
+        self.parts: list[tuple[dict[str, float], dict[str, int]]] = []  # per timed step
 
     def _timed(self, method, clock):
         def timed(*args, **kwargs):
@@ -114,9 +129,25 @@ class Engine:
 
         return timed
 
+    def _part(self, label: str, method):
+        """``method`` timed under ``label`` when called from within the connector part (``--breakdown``)."""
+
+        def timed(*args, **kwargs):
+            if not self.depth:
+                return method(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.part_times[label] = self.part_times.get(label, 0.0) + time.perf_counter() - t0
+                self.part_calls[label] = self.part_calls.get(label, 0) + 1
+
+        return timed
+
     def step(self, timed: bool) -> None:
         t0 = time.thread_time()
         self.in_connector = 0.0
+        self.part_times, self.part_calls = {}, {}
         so = self.sched.schedule()
         t1 = time.thread_time()
         in_schedule = self.in_connector
@@ -132,6 +163,7 @@ class Engine:
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
             self.connector_times.append(self.in_connector)
+            self.parts.append((self.part_times, self.part_calls))
             if so.kv_connector_metadata is not None:
                 t = time.thread_time()
                 size = len(pickle.dumps(so.kv_connector_metadata, protocol=pickle.HIGHEST_PROTOCOL))
@@ -146,11 +178,40 @@ class Engine:
 MODES = ("hisparse", "native", "plain")
 
 
-def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT) -> dict:
+def parts(coordinator) -> list[tuple[str, object, str]]:
+    """``(label, owner, method)`` of the calls ``--breakdown`` times within the connector part (module
+    docstring): the coordinator's phases, then vLLM's own calls (labels ``vllm.*``), in every manager."""
+    out = [(f"coordinator.{name}", coordinator, name)
+           for name in ("scan", "advance_scheduled", "take_residency_updates", "update_spills", "_lose_page",
+                        "publish_when_ready", "build_row_mirrors", "all_context_pages_resident")
+           if hasattr(coordinator, name)]
+    host = coordinator.host_manager
+    out += [(f"vllm.gpu_pool.{name}", coordinator.gpu_pool, name) for name in ("touch", "free_blocks", "unpin_blocks")]
+    out += [(f"vllm.host_pool.{name}", host.block_pool, name) for name in ("touch", "free_blocks")]
+    out.append(("vllm.host.publish_blocks", host, "publish_blocks"))
+    out += [(f"vllm.resident.{name}", manager, name) for manager in coordinator.resident_managers
+            for name in ("drop_resident_page", "adopt_resident_page")]
+    out += [("vllm.hot.require_hot", manager, "require_hot") for manager in coordinator.hot_managers]
+    return out
+
+
+def breakdown_of(engine: Engine) -> dict:
+    """Per label: median and mean microseconds a timed step, and calls a step (``--breakdown``)."""
+    labels = sorted({label for times, _ in engine.parts for label in times})
+    out = {}
+    for label in labels:
+        times = [t.get(label, 0.0) * 1e6 for t, _ in engine.parts]
+        calls = [c.get(label, 0) for _, c in engine.parts]
+        out[label] = [round(statistics.median(times), 1), round(statistics.mean(times), 1),
+                      round(statistics.mean(calls), 2)]
+    return out
+
+
+def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, with_breakdown: bool = False) -> dict:
     """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    engines = {mode: Engine(mode, n, context) for mode in modes}
+    engines = {mode: Engine(mode, n, context, with_breakdown) for mode in modes}
     freeze_gc_heap()  # what vLLM's engine core does once it has built its KV cache manager
     for _ in range(40 * n):
         if all(e.ready for e in engines.values()):
@@ -175,6 +236,11 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT) -> dict:
             out[mode]["connector_mean_us_per_running"] = round(statistics.mean(per_running) * 1e6, 2)
             out[mode]["metadata_bytes"] = statistics.median(size for size, _ in e.metadata)
             out[mode]["metadata_pickle_us"] = round(statistics.median(t for _, t in e.metadata) * 1e6, 1)
+            if with_breakdown:
+                parts_us = out[mode]["breakdown"] = breakdown_of(e)
+                out[mode]["vllm_calls_mean_us_per_running"] = round(
+                    sum(mean for label, (_, mean, _) in parts_us.items() if label.startswith("vllm."))
+                    / statistics.mean(e.running), 2)
     if "hisparse" in out and "native" in out:
         ours, theirs = out["hisparse"], out["native"]
         out["hisparse_over_native"] = {
@@ -193,12 +259,14 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--context", type=int, nargs="+", default=[CONTEXT],
                     help="prompt tokens per request; several: a measurement per context (flat in context?)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the connector part's phases and vLLM's own calls within it (module docstring)")
     args = ap.parse_args()
     result = {"context": args.context[0]} if len(args.context) == 1 else {}
     for context in args.context:
         for n in args.n:
             key = f"n{n}" if len(args.context) == 1 else f"n{n}_ctx{context}"
-            result[key] = measure(n, args.steps, args.modes, context)
+            result[key] = measure(n, args.steps, args.modes, context, args.breakdown)
     print(json.dumps(result))
 
 
