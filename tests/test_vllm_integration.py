@@ -182,8 +182,8 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
 
 def _with_vllms_scans(setup) -> None:
     """Our connector, with vLLM's own per-step scans and per-page steps in place of ``Bookkeeping``'s (the
-    residency updates, a page's host copy planned, released and indexed, the transfers reported, a released
-    block's reuse): the reference the cheaper bookkeeping must equal."""
+    residency updates, a page's host copy planned, released and indexed, the transfers reported): the reference
+    the cheaper bookkeeping must equal."""
     import types
 
     from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector as Native
@@ -197,7 +197,6 @@ def _with_vllms_scans(setup) -> None:
                  "_unpin_page", "update_spills"):
         setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
                                                               connector.coordinator))
-    H.use_vllms_block_watch(connector.coordinator)
 
 
 @pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib,chunk",

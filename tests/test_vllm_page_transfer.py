@@ -38,7 +38,6 @@ def _use_vllms(coord) -> None:
 
     for name in ("_plan_page_transfer", "_record_copy"):
         setattr(coord, name, types.MethodType(getattr(HiSparseCoordinator, name), coord))
-    H.use_vllms_block_watch(coord)  # the dicts vLLM's _record_copy writes, with vLLM's other methods on them
 
 
 def _ours_and_vllms(scenario):
@@ -110,15 +109,9 @@ def _state(coord) -> tuple:
         {t: (s.page, s.host_block.block_id, tuple(b.block_id for b in s.resident_blocks), s.restore)
          for t, s in coord.pending_spills.items()},
         {r: dict(s.pending_pages) for r, s in coord.request_states.items()},
-        {h: tuple(b.block_id for b in blocks) for h, blocks in coord.copies.items()}, _copy_index(coord),
+        {h: tuple(b.block_id for b in blocks) for h, blocks in coord.copies.items()}, dict(coord._copy_by_block),
         pool(coord.gpu_pool), pool(coord.host_manager.block_pool),
     )
-
-
-def _copy_index(coord) -> dict:
-    """The GPU copies indexed for prefix hits by block (block id -> host hash): vLLM's ``_copy_by_block``, ours
-    in the core (``Bookkeeping.watch``)."""
-    return dict(coord._copy_by_block) if "_copy_by_block" in vars(coord) else coord.watch.indexed()
 
 
 def _imports():
@@ -250,13 +243,10 @@ def _probe(coord, jobs) -> list | None:
     # tail's blocks, which nothing indexes) is indexed under its own blocks, the other copy's entries dropped.
     plan("released page planned", rid, page, changes=True)
     digest, other = row[hashed[0]].block_hash, [m.get_resident_page(rid, unhashed[0]) for m in managers]
-    assert not any(b.block_id in _copy_index(coord) for b in other)
+    assert not any(b.block_id in coord._copy_by_block for b in other)
     coord._drop_copy(digest)
     coord.copies[digest] = tuple(other)
-    if "_copy_by_block" in vars(coord):  # vLLM's (``_use_vllms``)
-        coord._copy_by_block.update(dict.fromkeys((b.block_id for b in other), digest))
-    else:
-        coord.watch.index([b.block_id for b in other], digest)
+    coord._copy_by_block.update(dict.fromkeys((b.block_id for b in other), digest))
     record("copy recorded", rid, hashed[0], row[hashed[0]], changes=True)
     return out
 

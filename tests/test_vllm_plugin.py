@@ -150,32 +150,6 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert len(rows) == 0
 
 
-def test_reuse_watch_keeps_vllms_owners_and_copy_index_by_block():
-    """``ReuseWatch`` (the core's ``_owners`` and ``_copy_by_block`` of vLLM's coordinator): owners kept as a set
-    per block, a reuse taking the copy's hash (as bytes equal to the key vLLM's ``copies`` holds) and the owners
-    once, an id past the pool refused with nothing changed."""
-    watch = _core.ReuseWatch(4)
-    digest = bytes(range(40))
-    watch.index([1, 2], digest)
-    watch.own([1, 2], "a", 5)
-    watch.own([1], "a", 5)
-    watch.own([1], "b", 0)
-    assert watch.owners(1) == [("a", 5), ("b", 0)] and watch.indexed() == {1: digest, 2: digest}
-    assert watch.reused(0) is None
-    host_hash, owners = watch.reused(1)
-    assert host_hash == digest and type(host_hash) is bytes and owners == [("a", 5), ("b", 0)]
-    assert watch.reused(1) is None
-    watch.disown([2], "a", 5)
-    watch.unindex([2])
-    assert watch.reused(2) is None and watch.owners(2) == []
-    with pytest.raises(hisparse_errors.InvalidArgumentError, match="past the pool's 4 blocks"):
-        watch.own([3, 4], "a", 0)
-    assert watch.owners(3) == []
-    watch.index([3], b"h")
-    watch.clear()
-    assert watch.indexed() == {}
-
-
 def _selection_heat(rows: int = 4, pages: int = 12, **options):
     from hisparse.heat import HeatOptions
     from hisparse.integrations.vllm.heat import SelectionHeat

@@ -1279,25 +1279,3 @@ def schedule(sched):
         raise CheckFailed(f"an exception escaped schedule(): {type(e).__name__}: {e}") from e
 
 
-
-
-def use_vllms_block_watch(coord) -> None:
-    """vLLM's ``_owners`` and ``_copy_by_block`` dicts on ``coord`` (a ``Bookkeeping``), kept by vLLM's methods
-    (``_unpin_page``, ``_record_copy``, ``_drop_copy``, ``_on_block_reused``, and its ``_lose_page`` and ``free``
-    in the place ours call them), in place of the core's ``watch``: for a reference that puts back vLLM's
-    per-page steps. Before the first request."""
-    import types
-
-    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-
-    coord._owners, coord._copy_by_block = {}, {}
-    for name in ("_unpin_page", "_record_copy", "_drop_copy", "_on_block_reused"):
-        setattr(coord, name, types.MethodType(getattr(HiSparseCoordinator, name), coord))
-    coord._detach = types.MethodType(HiSparseCoordinator.free, coord)
-
-    def drop_lost_page(request_id: str, page_idx: int) -> bool:
-        tracked = request_id in coord.request_states
-        HiSparseCoordinator._lose_page(coord, request_id, page_idx)
-        return tracked
-
-    coord._drop_lost_page = drop_lost_page

@@ -6,7 +6,6 @@
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
-//! - [`reuse_watch`]: that engine's released blocks still read, and its GPU copies indexed, by block id.
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`lru_stamps`]: the hot region's LRU as stamps (the rules `reference` follows), proven against the
 //!   permutation it replaced.
@@ -28,7 +27,6 @@ pub mod page;
 pub mod plan;
 pub mod pool_policy;
 pub mod reference;
-pub mod reuse_watch;
 pub mod worker;
 
 pub use config::{steady_state_blocks, Config, Options, PressurePolicy};

@@ -11,7 +11,6 @@ mod manager;
 mod plan;
 mod pool_policy;
 mod reference;
-mod reuse_watch;
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -19,7 +18,7 @@ use pyo3::prelude::*;
 
 use crate::args::Int;
 
-/// The core object a frozen pyclass shares, locked. Every method of `PoolPolicy`, `BlockRows` and `ReuseWatch` either
+/// The core object a frozen pyclass shares, locked. Every method of `PoolPolicy` and `BlockRows` either
 /// completes or changes nothing, so a lock poisoned by a panic inside one still guards a valid state: keep
 /// serving. (`ResidencyManager` refuses a poisoned lock instead.)
 fn locked<T>(inner: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,7 +71,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Admission>()?;
     m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<block_rows::BlockRows>()?;
-    m.add_class::<reuse_watch::ReuseWatch>()?;
     m.add_function(wrap_pyfunction!(block_rows::unpack_row_mirrors, m)?)?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;

@@ -17,10 +17,7 @@ connector rescans every scheduled request's rows in Python every step (``build_r
   decode within its last page is not read in Python at all; ``publish_when_ready`` remembers a request
   steady within its page;
 - the row mirrors go to the workers packed (``mirrors.RowMirrors``): no Python object per request is made or
-  pickled on the scheduler's side;
-- what the GPU pool's reuse of a released block takes away (the pages still reading it, vLLM's ``_owners``, and
-  the GPU copy indexed under it, ``_copy_by_block``) is kept by block id in the core (``ReuseWatch``,
-  ``rust/core/src/reuse_watch.rs``), where vLLM's dicts as large as the released pool cost a cache miss a touch.
+  pickled on the scheduler's side.
 
 ``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
 and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
@@ -46,7 +43,7 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from ..._core import BlockRows, ReuseWatch
+from ..._core import BlockRows
 from ...errors import ConfigError, InvalidArgumentError, InvariantError
 from .mirrors import RowMirrors
 
@@ -167,9 +164,6 @@ class Bookkeeping(HiSparseCoordinator):
         self._published: dict[str, int] = {}
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
-        # vLLM's _owners and _copy_by_block, by block id of the GPU pool (module docstring).
-        self.watch = ReuseWatch(len(self.gpu_pool.blocks) if self.gpu_pool is not None else 0)
-        del self._owners, self._copy_by_block
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
         self.requests: dict = {}
         # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
@@ -366,7 +360,9 @@ class Bookkeeping(HiSparseCoordinator):
         blocks = self._resident_page_blocks(request_id, page_idx)
         if blocks is None:
             return False
-        self.watch.own([block.block_id for block in blocks], request_id, page_idx)
+        owner = (request_id, page_idx)
+        for block in blocks:
+            self._owners.setdefault(block.block_id, set()).add(owner)
         self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
         state.pinned_clean.discard(page_idx)
         state.unpinned_pages.add(page_idx)
@@ -420,92 +416,8 @@ class Bookkeeping(HiSparseCoordinator):
             return
         self._drop_copy(host_hash)
         self.copies[host_hash] = tuple(blocks)
-        self.watch.index([block.block_id for block in blocks], host_hash)
-
-    # ------------------------------------------------------------------ a released block's reuse, by block id
-    #
-    # vLLM's ``_owners`` and ``_copy_by_block`` are the core's ``watch`` (module docstring); the methods that
-    # read or change them are vLLM's, over it.
-
-    def _drop_copy(self, host_hash) -> None:
-        blocks = self.copies.pop(host_hash, None)
-        if blocks is not None:
-            self.watch.unindex([block.block_id for block in blocks])
-
-    def _on_block_reused(self, block) -> None:
-        # The pool handed out a released block: the copy indexed under it is dropped, and every page still
-        # reading it is lost. Most calls find neither (the rest of a page whose first reused block lost it).
-        reused = self.watch.reused(block.block_id)
-        if reused is not None:
-            host_hash, owners = reused
-            if host_hash is not None:
-                self._drop_copy(host_hash)
-            for request_id, page_idx in owners:
-                self._lose_page(request_id, page_idx)
-
-    def _lose_page(self, request_id: str, page_idx: int) -> None:
-        # vLLM's, then recorded in the rows in one call for every group (which wakes the request).
-        if self._drop_lost_page(request_id, page_idx):
-            self.rows.drop_page(request_id, page_idx)
-
-    def _drop_lost_page(self, request_id: str, page_idx: int) -> bool:
-        """vLLM's ``_lose_page``: every resident group reads the page from the host now, and the request needs
-        a hot region; the page no longer owns its other blocks. Whether the request is still tracked."""
-        self._resident_requests.discard(request_id)
-        state = self.request_states.get(request_id)
-        if state is None:
-            return False
-        dropped = [block.block_id for manager in self.resident_managers
-                   if (block := manager.drop_resident_page(request_id, page_idx)) is not None]
-        self.watch.disown(dropped, request_id, page_idx)
-        state.unpinned_pages.discard(page_idx)
-        if page_idx < state.synced_pages:
-            state.stale_pages.add(page_idx)
-        for manager in self.hot_managers:
-            manager.require_hot(request_id)
-        return True
-
-    def free(self, request_id: str) -> None:
-        self._detach(request_id)
-        self._reads_host.discard(request_id)
-        self._published.pop(request_id, None)
-        self.rows.wake(request_id)
-
-    def _detach(self, request_id: str) -> None:
-        """vLLM's ``free``: the request is detached (``_detach_publication``), and every resident page it still
-        holds goes, group by group and tail first: a released one no longer owns its block, a clean pinned one
-        is released readable, one dirty or in flight stays with the pool's own free."""
-        self._resident_requests.discard(request_id)
-        self._pending_imports.pop(request_id, None)
-        state = self.request_states.pop(request_id, None)
-        if state is not None:
-            self._detach_publication(request_id, state)
-            for manager in self.resident_managers:
-                row = manager.get_residency_row(request_id)
-                for page_idx in range(len(row) - 1, -1, -1):
-                    block = row[page_idx]
-                    if block.is_null:
-                        continue
-                    if page_idx in state.unpinned_pages:
-                        self.watch.disown([block.block_id], request_id, page_idx)
-                    elif page_idx in state.valid_pages and page_idx not in state.pending_pages:
-                        manager.block_pool.unpin_blocks([block], self._on_block_reused)
-                    else:
-                        continue
-                    manager.drop_resident_page(request_id, page_idx)
-
-    def _detach_publication(self, request_id: str, state) -> None:
-        # A finished request whose host copies are still in flight keeps its publication, with a lease on its
-        # host pages, until they complete (``_publish_detached_blocks``); any other drops it: a preempted
-        # request's planned copies do not prove its KV was computed.
-        publication = state.publication
-        if publication is None or not publication.request.is_finished() or not state.pending_pages:
-            state.publication = None
-            return
-        host = self.host_manager
-        publication.detached_blocks = host.req_to_blocks[request_id][: publication.num_pages]
-        publication.num_cached_blocks = host.num_cached_block.get(request_id, 0)
-        host.block_pool.touch(publication.detached_blocks)
+        for block in blocks:
+            self._copy_by_block[block.block_id] = host_hash
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
@@ -567,11 +479,24 @@ class Bookkeeping(HiSparseCoordinator):
             self._published[request_id] = num_pages
         return True
 
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._reads_host.discard(request_id)
+        self._published.pop(request_id, None)
+        self.rows.wake(request_id)
+
     # What changes the state ``settle`` reads other than through the rows: the request is woken.
 
     def _page_became_clean(self, request_id: str, state, page_idx: int) -> None:
         super()._page_became_clean(request_id, state, page_idx)
         self.rows.wake(request_id)
+
+    def _lose_page(self, request_id: str, page_idx: int) -> None:
+        # vLLM's drops the page in each resident group (a request it still tracks): recorded here in one call.
+        tracked = request_id in self.request_states
+        super()._lose_page(request_id, page_idx)
+        if tracked:
+            self.rows.drop_page(request_id, page_idx)  # which wakes it
 
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
         super().commit_computed_blocks(request_id, num_host_pages)
@@ -652,7 +577,8 @@ class Bookkeeping(HiSparseCoordinator):
         self._retained_copies.clear()
         self._pending_imports.clear()
         self.copies.clear()
-        self.watch.clear()
+        self._copy_by_block.clear()
+        self._owners.clear()
         self.request_states.clear()
         self._resident_requests.clear()
         self._reads_host.clear()
