@@ -109,11 +109,10 @@ class Engine:
                 for name in names if owner is not None else ():
                     setattr(owner, name, self._timed(getattr(owner, name), clock))
             if breakdown:
-                for label, owner, name in parts(coordinator):
+                for label, owner, name in breakdown_calls(coordinator):
                     setattr(owner, name, self._part(label, getattr(owner, name)))
-        self.part_times: dict[str, float] = {}  # label -> seconds in the current step (--breakdown)
-        self.part_calls: dict[str, int] = {}
-        self.parts: list[tuple[dict[str, float], dict[str, int]]] = []  # per timed step
+        self.step_parts: dict[str, list] = {}  # label -> [seconds, calls] in the current step (--breakdown)
+        self.parts: list[dict[str, list]] = []  # step_parts of each timed step
 
     def _timed(self, method, clock):
         def timed(*args, **kwargs):
@@ -139,15 +138,16 @@ class Engine:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.part_times[label] = self.part_times.get(label, 0.0) + time.perf_counter() - t0
-                self.part_calls[label] = self.part_calls.get(label, 0) + 1
+                part = self.step_parts.setdefault(label, [0.0, 0])
+                part[0] += time.perf_counter() - t0
+                part[1] += 1
 
         return timed
 
     def step(self, timed: bool) -> None:
         t0 = time.thread_time()
         self.in_connector = 0.0
-        self.part_times, self.part_calls = {}, {}
+        self.step_parts = {}
         so = self.sched.schedule()
         t1 = time.thread_time()
         in_schedule = self.in_connector
@@ -163,7 +163,7 @@ class Engine:
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
             self.connector_times.append(self.in_connector)
-            self.parts.append((self.part_times, self.part_calls))
+            self.parts.append(self.step_parts)
             if so.kv_connector_metadata is not None:
                 t = time.thread_time()
                 size = len(pickle.dumps(so.kv_connector_metadata, protocol=pickle.HIGHEST_PROTOCOL))
@@ -178,7 +178,7 @@ class Engine:
 MODES = ("hisparse", "native", "plain")
 
 
-def parts(coordinator) -> list[tuple[str, object, str]]:
+def breakdown_calls(coordinator) -> list[tuple[str, object, str]]:
     """``(label, owner, method)`` of the calls ``--breakdown`` times within the connector part (module
     docstring): the coordinator's phases, then vLLM's own calls (labels ``vllm.*``), in every manager."""
     out = [(f"coordinator.{name}", coordinator, name)
@@ -197,21 +197,20 @@ def parts(coordinator) -> list[tuple[str, object, str]]:
 
 def breakdown_of(engine: Engine) -> dict:
     """Per label: median and mean microseconds a timed step, and calls a step (``--breakdown``)."""
-    labels = sorted({label for times, _ in engine.parts for label in times})
     out = {}
-    for label in labels:
-        times = [t.get(label, 0.0) * 1e6 for t, _ in engine.parts]
-        calls = [c.get(label, 0) for _, c in engine.parts]
+    for label in sorted({label for parts in engine.parts for label in parts}):
+        times = [parts.get(label, (0.0, 0))[0] * 1e6 for parts in engine.parts]
+        calls = [parts.get(label, (0.0, 0))[1] for parts in engine.parts]
         out[label] = [round(statistics.median(times), 1), round(statistics.mean(times), 1),
                       round(statistics.mean(calls), 2)]
     return out
 
 
-def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, with_breakdown: bool = False) -> dict:
+def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool = False) -> dict:
     """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    engines = {mode: Engine(mode, n, context, with_breakdown) for mode in modes}
+    engines = {mode: Engine(mode, n, context, breakdown) for mode in modes}
     freeze_gc_heap()  # what vLLM's engine core does once it has built its KV cache manager
     for _ in range(40 * n):
         if all(e.ready for e in engines.values()):
@@ -236,7 +235,7 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, with_breakd
             out[mode]["connector_mean_us_per_running"] = round(statistics.mean(per_running) * 1e6, 2)
             out[mode]["metadata_bytes"] = statistics.median(size for size, _ in e.metadata)
             out[mode]["metadata_pickle_us"] = round(statistics.median(t for _, t in e.metadata) * 1e6, 1)
-            if with_breakdown:
+            if breakdown:
                 parts_us = out[mode]["breakdown"] = breakdown_of(e)
                 out[mode]["vllm_calls_mean_us_per_running"] = round(
                     sum(mean for label, (_, mean, _) in parts_us.items() if label.startswith("vllm."))
