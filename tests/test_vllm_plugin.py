@@ -226,6 +226,41 @@ def test_selection_heat_starts_a_row_cold_when_it_changes_hands_and_reports_on_s
     assert int(heat.heat.abs().sum()) == 0 and heat.end_step() is None
 
 
+def test_selection_heat_rows_that_change_hands_under_the_same_batch_start_cold():
+    """Every running request preempted by ``reset_prefix_cache(reset_running_requests=True)`` comes back in the
+    same order on other state rows: the batch's ids are the last forward's, and a request joined the batch."""
+    pytest.importorskip("vllm")
+    heat, _ = _selection_heat(rows=2, pages=8)
+    ids = ["a", "b"]
+
+    def forward(rows: list[int], joined: bool) -> None:
+        state_rows = torch.tensor(rows, dtype=torch.int32)
+        heat.begin_step(ids, state_rows, {}, joined)
+        heat.count(torch.tensor([[64 * 3], [64 * 5]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                   state_rows)
+
+    forward([0, 1], joined=True)
+    forward([0, 1], joined=False)  # nobody joined: each row still serves its request, and keeps its heat
+    assert heat.heat[0, 3] == 2 and heat.heat[1, 5] == 2 and int(heat.heat.sum()) == 4
+    heat.begin_step(ids, torch.tensor([1, 0], dtype=torch.int32), {}, True)
+    assert int(heat.heat.sum()) == 0
+
+
+def test_a_request_joins_the_batch_when_it_is_new_or_resumed():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from hisparse.integrations.vllm.heat import joins_batch
+
+    def output(new=(), resumed=()):
+        return SimpleNamespace(scheduled_new_reqs=list(new),
+                               scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
+
+    assert not joins_batch(output())
+    assert joins_batch(output(new=[object()])) and joins_batch(output(resumed=["a"]))
+    assert joins_batch(None)
+
+
 class _Rank:
     """A worker rank's connector with vLLM's worker state stubbed: what ``build_connector_worker_meta`` and
     ``reset_capture_state`` read from it."""

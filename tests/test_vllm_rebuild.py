@@ -207,3 +207,40 @@ def test_a_reset_that_cannot_succeed_changes_nothing():
     assert tried == [(False, False)]
     assert stats.rows_checked > 0
     check_everything_returned(setup)
+
+
+def test_heat_of_a_row_that_changes_hands_in_a_reset_is_not_carried_over():
+    """``reset_prefix_cache(reset_running_requests=True, reset_connector=True)`` on a live worker (vLLM's recovery
+    after a weight update) preempts every running request; they come back together, in the same order, and the
+    worker gives them state rows again, some another's. The worker's selection heat (``policy: coldest``, a
+    summary every step) then starts each such row cold: the batch's ids alone would not show the change."""
+    setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=8192, host_pool_gib=20,
+                    extra={"policy": "coldest", "heat_interval": 1})
+    sched = setup.scheduler
+    worker = H.FakeWorker(setup, layers=[0], completion_lag=1)
+    heat = worker.selection_heat
+    owners: dict[int, str] = {}  # state row -> the request it served in the last forward
+    last = {"ids": None}
+    moved = []  # forwards whose batch is the last one's ids on other rows: (heat in the moved rows)
+    begin = heat.begin_step
+
+    def begin_step(ids, rows, updates, joined=True):
+        begin(ids, rows, updates, joined)
+        served = dict(zip(rows.tolist(), ids, strict=False))
+        changed = [row for row, rid in served.items() if owners.get(row, rid) != rid]
+        if tuple(ids) == last["ids"] and changed:
+            moved.append(sum(int(heat.heat[row].sum()) for row in changed))
+        owners.update(served)
+        last["ids"] = tuple(ids)
+
+    heat.begin_step = begin_step
+
+    def on_step(step):
+        if step in (12, 25):
+            assert sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
+    jobs = [H.Job(f"r{i}", H.prompt(i, 300 + 100 * i), 60, arrival=0) for i in range(3)]
+    stats = H.run(setup, worker, jobs, on_step=on_step)
+    assert stats.rows_checked and moved, "no forward re-ran the same batch on other rows"
+    assert moved == [0] * len(moved)
+    check_everything_returned(setup)

@@ -598,7 +598,7 @@ class FakeWorker:
             self.offload.handle_preemptions(off_meta)
             self.offload.bind_connector_metadata(off_meta)
         if self.mode != "plain" and meta is not None:
-            self._start_step(meta, list(so.num_scheduled_tokens))
+            self._start_step(meta, list(so.num_scheduled_tokens), so)
         if self.offload is not None and off_meta is not None:
             # HiSparse sets has_sync_kv_loads: start_load_kv runs before the forward, HiSparse's then this one's
             # (vLLM's order without HiSparse is after the forward; a load's rows land before its request runs
@@ -650,9 +650,10 @@ class FakeWorker:
                 MultiKVConnectorWorkerMetadata(metadata=parts)
         return output
 
-    def _start_step(self, meta, batch: list[str]) -> None:
+    def _start_step(self, meta, batch: list[str], so) -> None:
         """``HiSparseConnectorWorker.start_step`` (worker.py:408), in its order, then what our connector's
-        ``start_load_kv`` adds (``batch``: the step's request ids in batch order)."""
+        ``start_load_kv`` adds (``batch``: the step's request ids in batch order; ``so``: the step's scheduler
+        output)."""
         # _finish_previous_step: last step's post-forward spills are submitted now. With eager host
         # mirroring (vLLM's default) a spill moves no data: the rows are on the host already.
         self._enqueued.extend(t.transfer_id for t in self._post_forward)
@@ -686,7 +687,9 @@ class FakeWorker:
 
         if self.selection_heat is not None and batch:
             rows = torch.as_tensor([self.reqs[rid].row for rid in batch], dtype=torch.int32)
-            self.selection_heat.begin_step(batch, rows, meta.residency_updates)
+            from hisparse.integrations.vllm.heat import joins_batch
+
+            self.selection_heat.begin_step(batch, rows, meta.residency_updates, joins_batch(so))
 
     def _layers_of_group(self, k: int) -> list[int]:
         """The checked layers of resident group ``k``."""

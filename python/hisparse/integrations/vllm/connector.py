@@ -40,7 +40,7 @@ from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
 from ...heat import HeatOptions  # noqa: E402
 from .coordinator import POLICIES, HisparseCoordinator, build_coordinator  # noqa: E402
-from .heat import HeatReport, SelectionHeat  # noqa: E402
+from .heat import HeatReport, SelectionHeat, joins_batch  # noqa: E402
 
 #: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest
 #: (``heat_interval``, ``heat_coldest``, ``heat_hottest``, ``heat_layer_stride``: :class:`HeatOptions`).
@@ -359,7 +359,7 @@ class HiSparseConnector(VllmHiSparseConnector):
         if self.selection_heat is not None:
             meta = self._get_connector_metadata()
             self.selection_heat.begin_step(kwargs.get("request_ids") or (), kwargs.get("request_state_indices"),
-                                           meta.residency_updates)
+                                           meta.residency_updates, joins_batch(kwargs.get("scheduler_output")))
 
     def build_connector_worker_meta(self) -> Any:
         meta = super().build_connector_worker_meta()

@@ -10,7 +10,9 @@ data path's ranking, sent to the scheduler as the core's ``HeatSummary``.
   padding positions (< 0) land in one spare element past the table.
 - :meth:`SelectionHeat.begin_step`, before the forward (eager): a state row that now serves another
   request starts cold, and the pages each row has come from the scheduler's residency updates (the same
-  ones vLLM applies to its residency table).
+  ones vLLM applies to its residency table). Rows are checked for a new owner in the steps a request joins
+  the worker's batch (:func:`joins_batch`), the only ones in which vLLM's worker hands out a state row, and
+  whenever the batch's request ids change.
 - :meth:`SelectionHeat.end_step`, after the forward: when ``HeatOptions.due`` (every ``interval`` steps, sooner
   at first: steps 1, 2, 4, ...) it ranks the batch's rows with :func:`hisparse.heat.rank_heat` (DataPath's ranking) over
   the pages the scheduler may release or move (resident, outside the ``tail_pages`` vLLM keeps pinned),
@@ -35,7 +37,17 @@ from ...datapath import _to_device
 from ...errors import InvalidArgumentError
 from ...heat import HeatOptions, HeatSummaryInFlight, heat_ranks, rank_heat
 
-__all__ = ["HeatReport", "SelectionHeat"]
+__all__ = ["HeatReport", "SelectionHeat", "joins_batch"]
+
+
+def joins_batch(scheduler_output: object) -> bool:
+    """Whether a request joins vLLM's worker batch in this step (a new one, or one resumed after a
+    preemption): the worker then gives it a state row, which may have served another request, while the batch's
+    request ids can be those of the last forward, in the same order (every running request preempted by
+    ``reset_prefix_cache(reset_running_requests=True)`` comes back on other rows). True when unknown (None)."""
+    if scheduler_output is None:
+        return True
+    return bool(scheduler_output.scheduled_new_reqs or scheduler_output.scheduled_cached_reqs.resumed_req_ids)
 
 
 @dataclass(frozen=True)
@@ -114,10 +126,12 @@ class SelectionHeat:
     # ------------------------------------------------------------------ around the forward (eager)
 
     def begin_step(self, request_ids: Sequence[str], state_rows: torch.Tensor | None,
-                   residency_updates: Mapping[str, object]) -> None:
+                   residency_updates: Mapping[str, object], joined: bool = True) -> None:
         """Before the forward: ``request_ids`` in batch order, ``state_rows`` their state rows (vLLM's
-        ``idx_mapping``, at least ``len(request_ids)`` long), and the step's residency updates (vLLM's
-        ``SparseKVResidencyUpdate`` by request id)."""
+        ``idx_mapping``, at least ``len(request_ids)`` long), the step's residency updates (vLLM's
+        ``SparseKVResidencyUpdate`` by request id), and whether a request joined the batch this step
+        (:func:`joins_batch`; True checks every row's owner). The rows live on the device, so they are not
+        compared with the last step's: that would wait for the device."""
         ids = tuple(request_ids)
         self._ids, self._rows = ids, None
         if not ids or state_rows is None:
@@ -125,7 +139,7 @@ class SelectionHeat:
         dev = self.heat.device
         rows = state_rows[: len(ids)].to(device=dev, dtype=torch.int64, copy=True)  # this step's, kept
         self._rows = rows
-        if ids != self._owner_ids:
+        if joined or ids != self._owner_ids:
             # hash() is stable within this process, which is all the table needs; a collision would only
             # keep a row's heat across two requests.
             codes = _to_device(torch.tensor([hash(r) for r in ids], dtype=torch.int64), dev)
