@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hisparse import DataPath, HiSparseError, Layout, ResidencyManager, StepPlan, _core
+from hisparse.errors import InvalidArgumentError
 from hisparse.heat import HeatOptions
 from hisparse.hooks import StepGapError, StepResults, WorkerStep
 from hisparse.scenario import Driver
@@ -580,3 +581,29 @@ def test_a_rebuilt_worker_resumes_with_every_byte_right(mid_step):
     d.close()
     d.m.check_invariants()
     assert rows == sum(d.specs[r].written for r in range(3))
+
+
+def test_the_vllm_bookkeeping_refuses_counts_no_engine_has():
+    """``BlockRows``, ``unpack_row_mirrors`` and ``PoolPolicy`` (the vLLM plugin's core objects) with counts near
+    the integer limits: a refusal or the same answer as a sane count, never an abort, a panic, a hang or the
+    opposite decision (a review's reproducers)."""
+    for groups in (2**40, 2**64 - 1):
+        with pytest.raises(InvalidArgumentError):
+            _core.BlockRows(groups, 16)
+    rows = _core.BlockRows(1, 16)
+    rows.set("a", 0, [1])
+    rows.set("a", None, [2])
+    # A step or a lookahead reaching far past the rows mirrors the rows there are, at once.
+    assert rows.scan({"a": 2**63}, {"a": 0})[0][1:] == rows.scan({"a": 16}, {"a": 0})[0][1:]
+    assert rows.scan({"a": 1}, {"a": 0}, 2**64 - 1)[0][1:] == rows.scan({"a": 16}, {"a": 0})[0][1:]
+    count, two = struct.pack("=I", 2), struct.pack("=qq", 0, 0)
+    with pytest.raises(InvalidArgumentError):
+        _core.unpack_row_mirrors(object, ["a"], count, b"", two, two, 2**63)
+    policy = _core.PoolPolicy(block_size=16, blocks_per_page=2, hot_blocks=64, admission_pages=4, tail_pages=2,
+                              low_watermark=10)
+    assert policy.transition(True, 100, False, 0, 2**64 - 1) == "postponed"
+    pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
+    assert policy.has_headroom(16, 0, 16, True, **pool)
+    assert policy.has_headroom(16, 0, 16, True, **{**pool, "free_blocks": 2**64 - 1})
+    assert not policy.has_headroom(16, 0, 16, True, **{**pool, "owed_hot_blocks": 2**64 - 1})
+    assert not policy.has_headroom(16, 0, 16, True, **{**pool, "running": 2**63})

@@ -182,6 +182,7 @@ def _ref_resolve(
     topk: Buf,
     top_k: int,
     row_state: Buf,
+    resident: Buf,
     group: int,
     gpu_layers: Sequence[Buf],
     host_layers: Sequence[Buf],

@@ -19,6 +19,10 @@ use crate::ids::IdMap;
 /// A page with no GPU block in its group: it is read from the host (vLLM's null block).
 pub const HOST_ONLY: u32 = u32::MAX;
 
+/// The most resident groups a request's rows may have (vLLM's DeepSeek-V3.2 layout has 6): a bound that
+/// refuses a count no layout has, rather than allocating for it per request.
+pub const MAX_GROUPS: usize = 64;
+
 /// Which of a request's rows: a resident group's, or the host group's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Row {
@@ -177,10 +181,10 @@ pub struct BlockRows {
 impl BlockRows {
     /// Rows for `groups` resident groups of `block_size`-token pages (the host group's pages are as large).
     pub fn new(groups: usize, block_size: u32) -> Result<Self> {
-        if groups == 0 || block_size == 0 {
+        if groups == 0 || groups > MAX_GROUPS || block_size == 0 {
             return invalid(format!(
-                "need at least one resident group and a positive block size, not {groups} \
-                                    groups of {block_size}"
+                "need 1 to {MAX_GROUPS} resident groups and a positive block size, not {groups} groups of \
+                 {block_size}"
             ));
         }
         Ok(Self { groups, block_size, requests: IdMap::default(), changes: 0 })
@@ -348,7 +352,9 @@ impl BlockRows {
     /// Appends to `scan` the mirrors of rows `start .. start + count` ([`BlockRows::mirrors`]); returns how many.
     fn push_mirrors(&self, rows: &Rows, start: u64, count: u64, scan: &mut Scan) -> u32 {
         let block_size = u64::from(self.block_size);
-        let end = start.saturating_add(count);
+        // A page past the shortest row is never mirrored: the walk stops there, whatever `count` says.
+        let shortest = rows.lens.iter().min().copied().unwrap_or(0) as u64;
+        let end = start.saturating_add(count).min(shortest.saturating_mul(block_size));
         let mut made = 0;
         let mut position = start;
         while position < end {
@@ -443,6 +449,9 @@ mod tests {
             ]
         );
         assert!(rows.mirrors("unknown", 0, 8).is_empty());
+        // A window reaching past the rows, however far, mirrors the same pages, and returns at once.
+        assert_eq!(rows.mirrors("a", 3, u64::MAX), rows.mirrors("a", 3, 9));
+        assert!(rows.mirrors("a", u64::MAX - 1, u64::MAX).is_empty());
     }
 
     #[test]
@@ -569,6 +578,8 @@ mod tests {
         assert_eq!(rows.len(), 1);
         assert!(rows.set("a", Row::Resident(2), vec![]).is_err());
         assert!(BlockRows::new(0, 4).is_err() && BlockRows::new(1, 0).is_err());
+        assert!(BlockRows::new(MAX_GROUPS, 4).is_ok() && BlockRows::new(MAX_GROUPS + 1, 4).is_err());
+        assert!(BlockRows::new(usize::MAX, 4).is_err());
         assert_eq!(rows.row("a", Row::Resident(0)), &[10, 11, 12]);
     }
 }

@@ -153,7 +153,7 @@ impl PoolShape {
                 return Transition::Declined;
             }
         }
-        if free_blocks < self.hot_blocks + next_blocks {
+        if free_blocks < self.hot_blocks.saturating_add(next_blocks) {
             Transition::Postponed
         } else {
             Transition::Take
@@ -180,26 +180,29 @@ impl PoolShape {
     /// region), or a pool left low enough to move it at once. A short request reads through none: every
     /// page of it is resident, its prefix hit restored whole.
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
+        // In u128: a product or sum of usize counts cannot wrap (the engine's counts are far smaller, but
+        // a count near usize::MAX must not turn a refusal into an admission).
+        let wide = |n: usize| n as u128;
         let pages = self.pages(ask.tokens);
         let hit_pages = if ask.short { 0 } else { ask.computed_tokens / self.block_size.max(1) };
         let new_pages = pages.saturating_sub(hit_pages);
         let window = self.pages(ask.chunk_tokens);
-        let mut need = pages + new_pages.min(2 * window) * self.blocks_per_page;
-        let free = pool.free_blocks as i64;
+        let mut need =
+            wide(pages) + wide(new_pages.min(window.saturating_mul(2))) * wide(self.blocks_per_page);
+        let free = wide(pool.free_blocks);
         if !ask.short
-            && (new_pages > window
-                || ask.computed_tokens > 0
-                || free - (need as i64) < self.low_watermark as i64)
+            && (new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark))
         {
-            need += self.hot_blocks;
+            need += wide(self.hot_blocks);
         }
         let spare_hot = if pool.may_take_hot { self.hot_blocks } else { 0 };
-        let page = self.blocks_per_page + 1;
+        let page = wide(self.blocks_per_page) + 1;
         let reading_host = pool.reading_host.min(pool.running);
-        let growth =
-            (pool.running - reading_host) * page + reading_host + usize::from(reading_host > 0) * page;
-        let reserve = pool.owed_hot_blocks + spare_hot + growth;
-        free - need as i64 >= reserve as i64
+        let growth = wide(pool.running - reading_host) * page
+            + wide(reading_host)
+            + u128::from(reading_host > 0) * page;
+        let reserve = wide(pool.owed_hot_blocks) + wide(spare_hot) + growth;
+        free >= need + reserve
     }
 }
 
@@ -420,6 +423,20 @@ mod tests {
         let short_hit = Admission { computed_tokens: 1024, ..short };
         assert!(s.has_headroom(&short_hit, &PoolState { free_blocks: 329, ..empty }));
         assert!(!s.has_headroom(&short_hit, &PoolState { free_blocks: 328, ..empty }));
+    }
+
+    #[test]
+    fn counts_near_the_limit_do_not_wrap_into_the_opposite_answer() {
+        let s = DSV32;
+        assert_eq!(s.transition(true, 100, false, 0, usize::MAX), Transition::Postponed);
+        let ask = Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, short: true };
+        let pool = PoolState { free_blocks: 4000, ..PoolState::default() };
+        assert!(s.has_headroom(&ask, &pool));
+        assert!(s.has_headroom(&ask, &PoolState { free_blocks: usize::MAX, ..pool }));
+        assert!(!s.has_headroom(&ask, &PoolState { owed_hot_blocks: usize::MAX, ..pool }));
+        assert!(!s.has_headroom(&ask, &PoolState { running: 1 << 63, ..pool }));
+        let huge = Admission { tokens: usize::MAX, chunk_tokens: usize::MAX, short: false, ..ask };
+        assert!(!s.has_headroom(&huge, &pool));
     }
 
     #[test]

@@ -278,7 +278,7 @@ pub fn unpack_row_mirrors<'py>(
         || counts.len() != ids.len()
         || destinations.len() != mirrors
         || rows.len() != mirrors
-        || sources.len() != mirrors * groups
+        || Some(sources.len()) != mirrors.checked_mul(groups)
     {
         return Err(invalid(format!(
             "row mirrors packed inconsistently: {} requests, {} counts, {mirrors} mirrors, {} destinations, \
