@@ -46,13 +46,19 @@ publication, the resident rows' page drops and adoptions, the hot regions asked 
 request (``vllm_calls_mean_us_per_running``): what no rewrite of the bookkeeping can take off. Those timers
 cost time too: compare modes within a --breakdown run, and take the headline figures from a run without it.
 
+With ``--repeat R``, the trace runs R times (fresh engines each time, every mode stepped in turn as above), and
+every figure is taken from each timed step's least time over the runs (``fastest``): the runs schedule the same
+requests step by step (checked), so what a busy machine adds to a step, the least run of it has least of. Its
+longest step is then the step that does the most work, not the one a burst of other work on the machine hit.
+
     .venv/bin/python benches/vllm_step.py [--steps 64] [--n 32 128] [--modes hisparse native plain]
-                                          [--context 16384 131072] [--breakdown]
+                                          [--context 16384 131072] [--breakdown] [--repeat 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pickle
 import statistics
@@ -88,12 +94,16 @@ class Engine:
                                            block_hasher=self.setup.block_hasher))
         self.times: list[float] = []
         self.running: list[int] = []
+        # What each timed step scheduled (running, tokens, new and resumed requests): runs of one trace must
+        # agree on it before their times are compared step by step (``fastest``).
+        self.trace: list[tuple[int, int, int, int]] = []
         self.most = self.settled = 0
         self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
         self.depth = 0  # timed calls under way: one made from another is counted in the outer one
         self.connector_times: list[float] = []
         self.metadata: list[tuple[int, float]] = []  # (pickled bytes, seconds to pickle) per timed step
         connector = self.sched.connector
+        self.has_connector = connector is not None
         if connector is not None:
             # Once per step: thread CPU time, which a machine shared with other jobs does not inflate. Once
             # per request: the wall clock, whose read costs a quarter of the thread clock's (a system call of
@@ -182,6 +192,8 @@ class Engine:
         if timed and now and all(v == 1 for v in so.num_scheduled_tokens.values()):
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
+            self.trace.append((now, so.total_num_scheduled_tokens, len(so.scheduled_new_reqs),
+                               len(so.scheduled_cached_reqs.resumed_req_ids)))
             self.connector_times.append(self.in_connector)
             self.parts.append(self.step_parts)
             if so.kv_connector_metadata is not None:
@@ -226,8 +238,9 @@ def breakdown_of(engine: Engine) -> dict:
     return out
 
 
-def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool = False) -> dict:
-    """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike."""
+def run(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool = False) -> dict[str, Engine]:
+    """Every engine in one process, stepped in turn on the same trace, so that noise hits them alike; each
+    returned without its scheduler (what it measured stays)."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     engines = {mode: Engine(mode, n, context, breakdown) for mode in modes}
@@ -240,6 +253,42 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: 
     for _ in range(steps):
         for e in engines.values():
             e.step(timed=True)
+    for e in engines.values():
+        e.setup = e.worker = e.sched = None
+    gc.unfreeze()  # the next run's engines are built in a heap without these
+    gc.collect()
+    return engines
+
+
+def fastest(runs: list[Engine]) -> Engine:
+    """One mode's runs of the same trace as one: each timed step's figures (the step, the connector part,
+    each heat summary, the pickling, each breakdown label) the least any run took. vLLM's scheduler decides
+    nothing on the clock, so each run does the same work step by step (checked: the same requests scheduled),
+    and a machine shared with other jobs only adds time to it: what stays is the step's own cost, its
+    longest steps those that do the most work."""
+    first = runs[0]
+    for other in runs[1:]:
+        if other.trace != first.trace or len(other.heat_times) != len(first.heat_times):
+            raise RuntimeError("two runs of the same trace scheduled differently: their steps cannot be compared")
+
+    def least(lists) -> list[float]:
+        return [min(values) for values in zip(*lists, strict=True)]
+
+    first.times = least(e.times for e in runs)
+    first.connector_times = least(e.connector_times for e in runs)
+    first.heat_times = least(e.heat_times for e in runs)
+    pickling = least([seconds for _, seconds in e.metadata] for e in runs)
+    first.metadata = [(size, seconds) for (size, _), seconds in zip(first.metadata, pickling, strict=True)]
+    first.parts = [{label: [min(step.get(label, (0.0, 0))[0] for step in steps), calls]
+                    for label, (_, calls) in steps[0].items()} for steps in zip(*(e.parts for e in runs), strict=True)]
+    return first
+
+
+def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool = False,
+            repeat: int = 1) -> dict:
+    """The figures of each mode, from ``repeat`` runs of the trace (``fastest``)."""
+    runs = [run(n, steps, modes, context, breakdown) for _ in range(repeat)]
+    engines = {mode: fastest([r[mode] for r in runs]) for mode in modes}
     out = {}
     for mode, e in engines.items():
         out[mode] = {"median_us": round(statistics.median(e.times) * 1e6, 1),
@@ -249,7 +298,7 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: 
                                                                                            strict=True)) * 1e6, 2),
                      "steps": len(e.times),
                      "longest_over_median": round(max(e.times) / statistics.median(e.times), 2)}
-        if e.sched.connector is not None:
+        if e.has_connector:
             out[mode]["connector_median_us"] = round(statistics.median(e.connector_times) * 1e6, 1)
             out[mode]["connector_longest_over_median"] = round(max(e.connector_times)
                                                                / statistics.median(e.connector_times), 2)
@@ -284,12 +333,17 @@ def main() -> None:
                     help="prompt tokens per request; several: a measurement per context (flat in context?)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the connector part's phases and vLLM's own calls within it (module docstring)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of the trace, each step's figures the least any run took (module docstring)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     result = {"context": args.context[0]} if len(args.context) == 1 else {}
+    result["repeat"] = args.repeat
     for context in args.context:
         for n in args.n:
             key = f"n{n}" if len(args.context) == 1 else f"n{n}_ctx{context}"
-            result[key] = measure(n, args.steps, args.modes, context, args.breakdown)
+            result[key] = measure(n, args.steps, args.modes, context, args.breakdown, args.repeat)
     print(json.dumps(result))
 
 
