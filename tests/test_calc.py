@@ -254,13 +254,32 @@ def test_groups_override_changes_count_not_block_size() -> None:
     assert r.hisparse_total == 38
 
 
+def test_presets_without_the_pages_groups_group_layers_as_vllms_planner() -> None:
+    # FACTS.md: DeepSeek-V3.2 under vLLM holds 6 hot groups x 64 blocks (4,096 rows) a request. 32,000 tokens:
+    # 500 pages + 6 * 64 + 6 * 2 retained = 896 blocks of 545,792 B (about 0.49 GB), not one group per layer.
+    r = calc.calculate(model="deepseek-v3.2", seq_len=32_000)
+    assert (r.groups, r.per_request_gpu_blocks) == (6, 896)
+    # bf16 rows (1,152 B) halve the layers a block holds of their pages: 8,052 // 1,152 = 6 a group, 11 groups.
+    assert calc.calculate(model="deepseek-v3.2", kv_dtype="bf16").groups == 11
+    assert calc.calculate().groups == 20  # the page's
+
+
+def test_fewer_groups_than_a_block_holds_the_layers_of_are_refused() -> None:
+    # GLM-5.3's fp8 block holds 5 layer pages: 78 layers need 16 groups at least.
+    assert calc.calculate(groups=16).groups == 16
+    with pytest.raises(calc.CalcError, match="groups must be at least 16 for glm-5.3"):
+        calc.calculate(groups=15)
+    with pytest.raises(calc.CalcError, match="at least 5 for deepseek-v3.2"):  # 13 layer pages a block
+        calc.calculate(model="deepseek-v3.2", groups=4)
+
+
 def test_other_presets_use_the_same_formula() -> None:
     # GLM-5.1: 78 layers, 78 indexers (10,296 B/token), row 656:
     #   baseline 64 * (78*656 + 10,296) = 3,933,696; host 64 * 51,168 = 3,274,752;
     #   HiSparse max(ceil(78/78) = 1, ceil(10,296/656) = 16) = 16 pages -> 64 * 10,496 = 671,744
     r = calc.calculate(model="glm-5.1")
     assert (r.baseline_block_bytes, r.hisparse_block_bytes, r.host_block_bytes) == (3_933_696, 671_744, 3_274_752)
-    assert r.groups == 78
+    assert r.groups == 6  # vLLM's planner: 10,296 // 656 = 15 layers a group
     # DeepSeek-V3.2: 61 layers and indexers (8,052 B/token): baseline 64 * 48,068 = 3,076,352;
     #   host 64 * 40,016 = 2,561,024; HiSparse ceil(8,052/656) = 13 pages -> 64 * 8,528 = 545,792
     r = calc.calculate(model="deepseek-v3.2")

@@ -54,7 +54,7 @@ SCENARIO = [
 CALC = [
     ("--tp", ints()), ("--dp", ints()), ("--seq", ints()), ("--hot-rows", ints()),
     ("--mtp", (*BAD_NUMBERS, "-1", *BIG_INTS, "2147483648")),  # (2**31 + 2) * top_k hot rows overflow u32
-    ("--groups", ints()), ("--retained-pages", (*BAD_NUMBERS, "-1", *BIG_INTS)),
+    ("--groups", ints("15")), ("--retained-pages", (*BAD_NUMBERS, "-1", *BIG_INTS)),
     ("--max-seqs", ints()), ("--mla-row-bytes", ints()),
     ("--host-gib", ("abc", "", "nan", "inf", "-inf", "-1", "1e308", "2e9", "18446744073709551616")),
     ("--kv-hbm-gib", ("abc", "", "nan", "inf", "-inf", "-1", "1e308", "2e9", "18446744073709551616")),
@@ -70,7 +70,7 @@ SIMULATE = [
     ("--hot-rows", ints("2147483648", "100", "40000")),  # hot rows lie in [top_k, 32,768]
     ("--kv-hbm-gib", (*BAD_FLOATS, "1e308", "2147483648", "1e8")),  # 1e8 GiB: 31e9 blocks, the memory check
     ("--mtp", (*BAD_NUMBERS, "-1", "8", *BIG_INTS)),
-    ("--accept-length", (*BAD_FLOATS, "0.5")),
+    ("--accept-length", (*BAD_FLOATS, "0.5", "4.5")),  # in [1, --mtp + 1 = 4]
     ("--mode", ("bogus", "", "HISPARSE")), ("--policy", ("lru", "")), ("--hot-buffers", ("grow", "", "ADAPTIVE")),
     ("--kv-hbm-gib", ("100000", "131.4")),  # more than one H200's memory (131.3 GiB)
     ("--turns", ints()), ("--first-turn-tokens", ints("200000")),  # 200,000 > the default --max-model-len
@@ -86,7 +86,7 @@ LINES = [
     ["demo", "--layers", "1", "--index-share", "2"],
     ["calc", "--mtp", "3", "--hot-rows", "4096"], ["calc", "--seq"], ["calc", "--bogus", "1"],
     ["simulate", "--hot-rows", "4096", "--adaptive-hot-rows"], ["simulate", "--concurrency"],
-    ["simulate", "--hot-buffers"],
+    ["simulate", "--hot-buffers"], ["simulate", "--mtp", "0", "--accept-length", "2"],
     ["scenario", "--seed"], ["scenario", "--json", "x"],
     [], ["bogus"], ["--bogus"], ["-x", "calc"],
 ]

@@ -50,9 +50,12 @@ for fp8 (one byte per latent + rope value) and 1,152 for bf16, giving
 576) = 5) = 5 pages; bf16: max(4, 3) = 4 pages).  The other presets use the
 same formula with vLLM's real ``fp8_ds_mla`` row of 656 bytes (``--mla-row-
 bytes`` overrides the row for any preset; 656 for GLM-5.3 gives vLLM's 53,940
-bytes per token).  Note that with an indexer on every layer the indexer keys
-(not the hot rows) set the HiSparse block size, so this page-style unified
-block overstates what the hot buffers of those models cost.
+bytes per token).  With an indexer on every layer the indexer keys set the
+HiSparse block size, and a hot group holds as many layers as one block holds
+of their pages, as vLLM's planner groups them (DeepSeek-V3.2: 12 layers, 6
+groups; GLM-5.1: 15 layers, 6 groups; :meth:`ModelPreset.hot_groups`); the
+block counts whole layer pages (13 for DeepSeek-V3.2, where vLLM's holds the
+keys' 8,052 bytes a token exactly, 12.3 pages), a few percent more.
 
 Weights
 -------
@@ -137,7 +140,7 @@ class ModelPreset:
     name: str
     layers: int  # sparse-MLA layers
     indexers: int  # indexer layers (their keys stay on the GPU)
-    groups: int  # hot groups used for the HiSparse block size and default count
+    groups: int | None  # hot groups (the block size, the default count); None: as vLLM's planner (hot_groups)
     fp8_row_bytes: int  # sparse-MLA row of one layer and token, fp8 KV
     bf16_row_bytes: int  # the same in bf16 (576 values)
     top_k: int
@@ -149,6 +152,15 @@ class ModelPreset:
 
     def row_bytes(self, kv_dtype: str) -> int:
         return self.fp8_row_bytes if kv_dtype == "fp8" else self.bf16_row_bytes
+
+    def hot_groups(self, row_bytes: int) -> int:
+        """The hot groups a request holds: the page's count where it gives one (GLM-5.3), else vLLM's planner's,
+        which puts in one group as many layers as one block holds of their pages, the block being as large as
+        64 tokens of every indexer layer's keys (DeepSeek-V3.2 with vLLM's 656-byte rows: 8,052 // 656 = 12
+        layers a group, 6 groups)."""
+        if self.groups is not None:
+            return self.groups
+        return -(-self.layers // max(1, self.indexers * INDEXER_ROW_BYTES // row_bytes))
 
 
 _GLM5_ARCH = Architecture(
@@ -172,12 +184,12 @@ MODELS: dict[str, ModelPreset] = {
         source="the vLLM HiSparse calculator page (fp8 row counted as 576 bytes)",
     ),
     "glm-5.1": ModelPreset(
-        name="glm-5.1", layers=78, indexers=78, groups=78, fp8_row_bytes=656,
+        name="glm-5.1", layers=78, indexers=78, groups=None, fp8_row_bytes=656,
         bf16_row_bytes=1152, top_k=2048, max_positions=202_752, arch=_GLM5_ARCH,
         source="derived: indexer on every layer, vLLM fp8_ds_mla row 656 bytes",
     ),
     "deepseek-v3.2": ModelPreset(
-        name="deepseek-v3.2", layers=61, indexers=61, groups=61, fp8_row_bytes=656,
+        name="deepseek-v3.2", layers=61, indexers=61, groups=None, fp8_row_bytes=656,
         bf16_row_bytes=1152, top_k=2048, max_positions=163_840, arch=_DSV32_ARCH,
         source="derived: indexer on every layer, vLLM fp8_ds_mla row 656 bytes",
     ),
@@ -447,7 +459,8 @@ def calculate(
 
     ``hot_rows`` defaults to 2 * top_k (4,096); ``mtp=K`` sizes it as (K + 2) * top_k
     instead (the two are exclusive).  ``groups`` defaults to the preset's (20 for
-    GLM-5.3); it changes the per-request count, not the block size.  ``host_gib``
+    GLM-5.3, :meth:`ModelPreset.hot_groups`); it changes the per-request count,
+    not the block size, so it must leave each group's layer pages within a block.  ``host_gib``
     and ``kv_hbm_gib`` are per DP replica / per GPU.  Raises :class:`CalcError`.
     """
     key = model.lower() if isinstance(model, str) else model
@@ -467,7 +480,7 @@ def calculate(
     max_seqs = _require_int("max_seqs", max_seqs, 1)
     retained_pages = _require_int("retained_pages", retained_pages, 0)
     other_blocks = _require_int("other_blocks", other_blocks, 0)
-    groups = preset.groups if groups is None else _require_int("groups", groups, 1)
+    given_groups = None if groups is None else _require_int("groups", groups, 1)
     if hot_rows is not None and mtp is not None:
         raise CalcError("give hot_rows or mtp, not both (mtp K sizes hot rows as (K + 2) * top_k)")
     if mtp is not None:
@@ -506,9 +519,16 @@ def calculate(
             )
     kv_bytes = kv * GIB
 
-    # Blocks.
-    sizes = block_bytes(layers=preset.layers, indexers=preset.indexers, groups=preset.groups,
+    # Blocks: their size is the model's, set by its own hot groups; --groups changes only how many a request holds,
+    # each of whose layers' pages must fit in one block.
+    sizes = block_bytes(layers=preset.layers, indexers=preset.indexers, groups=preset.hot_groups(row),
                         row_bytes=row)
+    groups = preset.hot_groups(row) if given_groups is None else given_groups
+    layer_pages = sizes["hisparse"] // (BLOCK_TOKENS * row)
+    if -(-preset.layers // groups) > layer_pages:
+        raise CalcError(f"groups must be at least {-(-preset.layers // layer_pages)} for {preset.name}: a group's "
+                        f"hot rows hold pages of {-(-preset.layers // groups)} layers, and one HiSparse block "
+                        f"holds {layer_pages}")
     bt = BLOCK_TOKENS
     seq_blocks = -(-seq_len // bt)
     per_request = per_request_gpu_blocks(

@@ -1228,6 +1228,12 @@ def model_fields(model: str) -> dict[str, int]:
             "top_k": preset.top_k}
 
 
+def accept_length(given: float | None, mtp: int) -> float:
+    """The tokens a decode step emits: ``given`` as it is (``SimConfig.validate`` refuses one outside [1, mtp + 1]),
+    or by default the measured MTP3 figure, within what ``mtp`` drafts can emit."""
+    return given if given is not None else min(K.MTP_ACCEPT_LENGTH, mtp + 1.0)
+
+
 def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     modes = MODES if args.mode == "both" else (args.mode,)
     policies = TIER_POLICIES if args.policy == "both" else (args.policy,)
@@ -1242,7 +1248,7 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
                     max_steps=args.steps,
                     seed=args.seed, kv_hbm_gib=args.kv_hbm_gib, hot_rows=args.hot_rows,
                     adaptive_hot_rows=args.adaptive_hot_rows, speculative_tokens=args.mtp,
-                    accept_length=min(args.accept_length, args.mtp + 1.0) if args.mtp else 1.0,
+                    accept_length=accept_length(args.accept_length, args.mtp),
                     turns=args.turns, first_turn_tokens=args.first_turn_tokens,
                     later_turn_tokens=args.later_turn_tokens, output_tokens=args.output_tokens,
                     max_model_len=args.max_model_len, model=args.model, gpu=args.gpu,
@@ -1427,8 +1433,9 @@ def add_parser(subparsers: Any) -> None:
                           "pages, every 32 steps; both: run each")
     dep.add_argument("--mtp", type=int_range(0, 7), default=K.SPECULATIVE_TOKENS, metavar="Q",
                      help="speculative (MTP) tokens per step (default 3; the step time stays the MTP3 measurement)")
-    dep.add_argument("--accept-length", metavar="X", type=positive_float, default=K.MTP_ACCEPT_LENGTH,
-                     help="mean tokens per decode step with MTP (default 3.48, measured)")
+    dep.add_argument("--accept-length", metavar="X", type=positive_float, default=None,
+                     help="mean tokens per decode step, in [1, MTP + 1] (default 3.48, measured with MTP 3; "
+                          "at most MTP + 1 with fewer drafts)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: every point with its GPU block breakdown, and coldest vs fifo")
     p.add_argument("--plot", metavar="PNG", type=plot_path, default=None,
