@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hisparse import ConfigError
-from hisparse.engine import Engine, EngineConfig, ModelConfig, TinyDSA, make_workload, prefix_hashes
+from hisparse.engine import Engine, EngineConfig, ModelConfig, RequestSpec, TinyDSA, make_workload, prefix_hashes
 from hisparse.engine import demo as demo_mod
 from hisparse.engine.model import digest
 
@@ -100,6 +100,23 @@ def test_preempting_a_request_in_mixed_residency_is_exact(model, specs, referenc
     assert events[kinds.index("preempt")].residency == "mixed"
     assert events[kinds.index("preempt")].tokens > 0  # its durable prefix stayed on the host
     assert result.compare(reference) == []
+
+
+def test_a_preempted_request_resumes_when_the_last_running_one_ends_in_a_step_that_preempted():
+    # The step that preempts "short" is "long"'s last: the engine is idle with "short" waiting, and resumes it
+    # (it raised "nothing can run" with the whole pool free: a review's reproducer).
+    small = TinyDSA(ModelConfig(vocab=64, hidden=32, layers=3, heads=2, latent=32, rope=16, index_heads=2,
+                                index_dim=8, top_k=8, index_share=2, mlp=32, max_model_len=128))
+    specs = [RequestSpec("long", tuple(i % 64 for i in range(71)), 19, arrival=0),
+             RequestSpec("short", tuple((7 * i) % 64 for i in range(23)), 2, arrival=1)]
+
+    def run(mode, blocks):
+        return Engine(small, EngineConfig(mode=mode, num_gpu_blocks=blocks, block_size=4, max_running=7,
+                                          max_batched_tokens=64, hot_rows=24, watermark=0)).run(specs)
+
+    result = run("hisparse", 11)
+    assert result.preemptions > 0
+    assert result.compare(run("resident", 400)) == []
 
 
 def test_compare_reports_differences(model, specs, reference):

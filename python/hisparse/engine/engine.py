@@ -299,8 +299,9 @@ class Engine:
     def _fits(self, r: _Request) -> bool:
         if self.config.mode == "hisparse":
             # Clean pages are released under pressure: what bounds concurrency is each request's footprint
-            # (tail and hot region), which the core's admission checks.
-            return self.calm
+            # (tail and hot region), which the core's admission checks. Once nothing runs, a step that had to
+            # preempt holds nobody back: the pool is as free as it gets.
+            return self.calm or not self.running
         free = self.sched.capacity()["gpu_free"]
         margin = max(1, self.config.num_gpu_blocks // 100)  # vLLM's watermark: 1% of the pool
         # The prefill of running requests will still take blocks; the new one needs its whole sequence.
