@@ -32,10 +32,11 @@ metadata as vLLM's multi-process executor sends it to its workers (``metadata_by
 scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring. The longest step over the median is printed for
-every mode (``longest_over_median``), for the connector part alone (``connector_longest_over_median``), and for
-hisparse the longest a heat summary took to apply (``heat_summary_max_us``, thread CPU, within the connector
-part). The trace's requests start together and seal their pages in nearby steps, so its longest steps hold
-vLLM's own work for many requests at once: read hisparse's beside native's.
+every mode (``longest_over_median``, and which timed steps were the three longest: ``longest_steps``), for the
+connector part alone (``connector_longest_over_median``), and for hisparse the longest a heat summary took to
+apply (``heat_summary_max_us``, thread CPU, within the connector part). The trace's requests start together and
+seal their pages in nearby steps, so its longest steps hold vLLM's own work for many requests at once: read
+hisparse's beside native's.
 
 With ``--breakdown``, each HiSparse mode also prints where its connector part goes (``breakdown``: per label,
 the median and mean microseconds a step and the calls a step, each call timed whole, callees included, and only
@@ -262,10 +263,9 @@ def run(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool
 
 def fastest(runs: list[Engine]) -> Engine:
     """One mode's runs of the same trace as one: each timed step's figures (the step, the connector part,
-    each heat summary, the pickling, each breakdown label) the least any run took. vLLM's scheduler decides
-    nothing on the clock, so each run does the same work step by step (checked: the same requests scheduled),
-    and a machine shared with other jobs only adds time to it: what stays is the step's own cost, its
-    longest steps those that do the most work."""
+    each heat summary, the pickling, each breakdown label) the least any run took. Each run does the same work
+    step by step (checked: the same requests scheduled, as many heat summaries), and a machine shared with other
+    jobs only adds time to it: what stays is the step's own cost, its longest steps those that do the most work."""
     first = runs[0]
     for other in runs[1:]:
         if other.trace != first.trace or len(other.heat_times) != len(first.heat_times):
@@ -297,7 +297,8 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: 
                      "median_us_per_running": round(statistics.median(t / r for t, r in zip(e.times, e.running,
                                                                                            strict=True)) * 1e6, 2),
                      "steps": len(e.times),
-                     "longest_over_median": round(max(e.times) / statistics.median(e.times), 2)}
+                     "longest_over_median": round(max(e.times) / statistics.median(e.times), 2),
+                     "longest_steps": sorted(range(len(e.times)), key=e.times.__getitem__, reverse=True)[:3]}
         if e.has_connector:
             out[mode]["connector_median_us"] = round(statistics.median(e.connector_times) * 1e6, 1)
             out[mode]["connector_longest_over_median"] = round(max(e.connector_times)
