@@ -606,7 +606,7 @@ _LIMITER_TEXT = {
     "gpu": "gpu (HBM for indexer keys, hot rows and tail pages binds)",
     "host": "host (the host pool binds)",
     "baseline": "baseline (HiSparse does not beat keeping all KV on the GPU)",
-    "no_kv_memory": "no_kv_memory (the weights leave no HBM for KV)",
+    "no_kv_memory": "no_kv_memory (no HBM left for KV: the weights, or --kv-hbm-gib)",
 }
 
 

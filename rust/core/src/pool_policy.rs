@@ -187,8 +187,7 @@ impl PoolShape {
         let hit_pages = if ask.short { 0 } else { ask.computed_tokens / self.block_size.max(1) };
         let new_pages = pages.saturating_sub(hit_pages);
         let window = self.pages(ask.chunk_tokens);
-        let mut need =
-            wide(pages) + wide(new_pages.min(window.saturating_mul(2))) * wide(self.blocks_per_page);
+        let mut need = wide(pages) + wide(new_pages).min(2 * wide(window)) * wide(self.blocks_per_page);
         let free = wide(pool.free_blocks);
         if !ask.short
             && (new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark))
