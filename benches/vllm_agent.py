@@ -97,9 +97,11 @@ conversations, the last cut to one turn). ``config["short"]`` gives their scaled
 
     .venv/bin/python benches/vllm_agent.py [--workload published|short|mixed] [--concurrency 1 8 16 32]
         [--modes offload native hisparse-coldest hisparse-fifo] [--scale 16] [--turns 13] [--topk N]
-        [--tier-cap-gib 8] [--output-tokens N] [--quick]
+        [--tier-cap-gib 8] [--output-tokens N] [--sync-loads] [--quick]
 
 ``--quick``: a smoke run, well under a minute (c = 2, 3 turns, S = 32, tiers capped at 1 GiB).
+``--sync-loads``: the offloading connector loads synchronously (``sync_load_budget_bytes`` 1 GiB: a load runs
+in the step whose forward reads it) where it loads asynchronously by default; ``config["offload_extra"]``.
 Progress goes to stderr, one line per mode.
 """
 
@@ -282,7 +284,8 @@ def run_mode(cfg: dict, mode: str, c: int, jobs: list, then: dict) -> dict:
                     max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
                     async_scheduling=True, num_spec_tokens=cfg["num_spec_tokens"],
                     host_pool_gib=cfg["hisparse_pool_gib"], extra={"policy": policy} if policy else None,
-                    offload_gib=cfg["baseline_offload_gib" if engine == "plain" else "offload_gib"])
+                    offload_gib=cfg["baseline_offload_gib" if engine == "plain" else "offload_gib"],
+                    offload_extra=cfg.get("offload_extra"))
     children = _children(setup)
     layout = kv_layout(setup)
     jobs, then = _copy(jobs, then)
@@ -368,6 +371,8 @@ def main() -> None:
                     help="cap on each offloading tier, a /dev/shm region vLLM writes in full (default 8; 1 --quick)")
     ap.add_argument("--output-tokens", type=int, default=None,
                     help="tokens per answer (default: 220 / scale; see the docstring on decode steps)")
+    ap.add_argument("--sync-loads", action="store_true",
+                    help="the offloading connector loads synchronously (sync_load_budget_bytes = 1 GiB)")
     ap.add_argument("--quick", action="store_true", help="smoke run: c = 2, 3 turns, scale 32")
     args = ap.parse_args()
     quick = args.quick
@@ -382,6 +387,7 @@ def main() -> None:
             cfg = mixed(cfg)
             concurrency = args.concurrency or ([2] if quick else [32])
     cfg["workload"] = args.workload
+    cfg["offload_extra"] = {"sync_load_budget_bytes": 1 << 30} if args.sync_loads else None
     # The harness reads its top-K from this module global (the specs' topk_buffer_width, the fake worker's
     # selections); vLLM's planner takes the specs' width over the model config's index_topk.
     H.TOP_K = cfg["top_k"]

@@ -334,13 +334,15 @@ def test_the_short_end_on_glm53s_layout_later_turns_are_restored_whole():
         H.TOP_K = top_k
 
 
-def _short_turns(monkeypatch, gpu_gib: float, n: int, output: int, aborts: dict[str, int] | None = None):
+def _short_turns(monkeypatch, gpu_gib: float, n: int, output: int, aborts: dict[str, int] | None = None,
+                 offload_extra: dict | None = None):
     """``n`` conversations of two short turns (2,000 tokens, then 900 more) on GLM-5.3's layout at the
-    published top-K, MTP 3, async, beside the offloading connector, every row read checked: the setup, the
-    worker, the run's stats and hisparse's coordinator."""
+    published top-K, MTP 3, async, beside the offloading connector (``offload_extra``: its options), every row
+    read checked: the setup, the worker, the run's stats and hisparse's coordinator."""
     monkeypatch.setattr(H, "TOP_K", 2048)
     setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=gpu_gib, max_model_len=4096, num_spec_tokens=3,
-                    async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
+                    async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25,
+                    offload_extra=offload_extra)
     worker = H.FakeWorker(setup, layers=[0, 42])
     jobs, then = H.conversations(n, 300, first=2000, later=900, output=output, turns=2)
     stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts)
@@ -362,6 +364,20 @@ def test_short_later_turns_restored_whole_read_every_byte_right(monkeypatch):
     assert counters["pages_adopted"] > 0 and counters["pages_restored"] > 0
     assert stats.tier_blocks_loaded > 0, "some prefixes came back from the offloading tier"
     assert stats.rows_from_host == 0 and stats.host_only_prefix_admissions == 0 and stats.preemptions == 0
+    _assert_all_freed(setup, worker)
+
+
+def test_short_later_turns_loaded_synchronously_are_restored_whole_too(monkeypatch):
+    """The offloading tier loading the later turns' indexer keys synchronously (within vLLM's
+    ``sync_load_budget_bytes``): their MLA pages are published on HiSparse's host pool already, so each import
+    is finished, and its pages restored, before the forward that first reads them (``restore.py``): every later
+    turn is restored whole rather than given a hot region (3,360 blocks, two thirds of the pool), every row
+    read is right, nothing is read from the host, and no request is preempted."""
+    setup, worker, stats, coordinator = _short_turns(monkeypatch, gpu_gib=1.0, n=6, output=48,
+                                                     offload_extra={"sync_load_budget_bytes": 1 << 30})
+    assert stats.tier_sync_loads > 0 and stats.tier_async_loads == 0
+    assert coordinator.counters["restored_whole"] == 6 and coordinator.counters["pages_restored"] > 0
+    assert stats.rows_from_host == 0 and stats.preemptions == 0
     _assert_all_freed(setup, worker)
 
 

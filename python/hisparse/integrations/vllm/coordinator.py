@@ -108,7 +108,12 @@ class HisparseCoordinator(Bookkeeping):
         ``MultiConnector`` asks hisparse first, so a later turn whose indexer keys left the GPU reaches
         :meth:`admit` with no local hit, and would be counted as a whole new prefill (two admission windows of
         resident pages) where it needs a hot region, its indexer blocks and its new pages."""
-        if not self._external_loads or not request.block_hashes or self.host_group_id is None:
+        return self.host_prefix_tokens(request) if self._external_loads else 0
+
+    def host_prefix_tokens(self, request) -> int:
+        """The tokens of ``request``'s prefix whose pages HiSparse's host pool holds published (their copies
+        complete), as vLLM's prefix cache finds them."""
+        if not request.block_hashes or self.host_group_id is None:
             return 0
         find = getattr(self._pools, "find_longest_cache_hit_per_group", None)
         if find is None:

@@ -14,8 +14,12 @@ page). The request then runs as any resident request does.
 - A local hit (host pages the HiSparse host group holds) is restored in the step that admits it.
 - An external load (the offloading connector's, asynchronous unless ``sync_load_budget_bytes`` is set) is
   restored once the load has completed (``complete_host_import``), before the request is scheduled again.
-- A synchronous external load writes the host pages during the step that first reads them, too late for a
-  restore planned at schedule time: such a request keeps vLLM's hot region.
+- A synchronous external load completes in the step that first reads its pages. It is restored whole only
+  where HiSparse's host pool holds the whole prefix published already (``host_prefix_tokens``): its host pages
+  then hold their data (vLLM's offloading connector loads only the groups it offloads, the indexer keys, and
+  no further than that prefix: ``_max_loadable_tokens``), and its import is finished, and so restored, before
+  the step's transfers are planned (``connector._finish_loaded_imports``). A load that writes the host pages
+  during the step would be read before a restore could land: such a request keeps vLLM's hot region.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from .bookkeeping import Bookkeeping
+    from .coordinator import HisparseCoordinator
 
 
 class WholeRestores:
@@ -36,7 +40,7 @@ class WholeRestores:
     managers' admissions ask for no region. Only these instances' methods change, and only for the requests
     in ``requests``."""
 
-    def __init__(self, coordinator: Bookkeeping, kv_cache_manager: KVCacheManager,
+    def __init__(self, coordinator: HisparseCoordinator, kv_cache_manager: KVCacheManager,
                  is_short: Callable[[Any], bool]) -> None:
         self.coordinator = coordinator
         self.is_short = is_short
@@ -55,7 +59,7 @@ class WholeRestores:
             external = kwargs.get("num_external_computed_tokens", 0)
             request_id = request.request_id
             if (not local and not external) or request_id in self.requests or not self._restorable(
-                    request, external, kwargs.get("delay_cache_blocks", False)):
+                    request, local, external, kwargs.get("delay_cache_blocks", False)):
                 return allocate(request, num_new_tokens, *args, **kwargs)
             self.requests.add(request_id)
             blocks = allocate(request, num_new_tokens, *args, **kwargs)
@@ -68,8 +72,11 @@ class WholeRestores:
 
         kv_cache_manager.allocate_slots = allocate_slots
 
-    def _restorable(self, request, external: int, load_async: bool) -> bool:
-        return (not external or load_async) and self.is_short(request)
+    def _restorable(self, request, local: int, external: int, load_async: bool) -> bool:
+        """A short request whose prefix's host pages hold their data before its first forward (module docstring)."""
+        if not self.is_short(request):
+            return False
+        return not external or load_async or self.coordinator.host_prefix_tokens(request) >= local + external
 
     def _wrap_admission(self, manager, name: str) -> None:
         """vLLM's admission methods of a hot manager ask for a region on any prefix hit: not for these."""
