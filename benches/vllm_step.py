@@ -32,7 +32,8 @@ metadata as vLLM's multi-process executor sends it to its workers (``metadata_by
 scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring. The longest step over the median is printed for
-every mode (``longest_over_median``, and which timed steps were the three longest: ``longest_steps``), for the
+every mode (``longest_over_median``, and which of the timed steps, counted from 0 in every mode alike, were the
+three longest: ``longest_steps``), for the
 connector part alone (``connector_longest_over_median``), and for hisparse the longest a heat summary took to
 apply (``heat_summary_max_us``, thread CPU, within the connector part). The trace's requests start together and
 seal their pages in nearby steps, so its longest steps hold vLLM's own work for many requests at once: read
@@ -95,9 +96,11 @@ class Engine:
                                            block_hasher=self.setup.block_hasher))
         self.times: list[float] = []
         self.running: list[int] = []
-        # What each timed step scheduled (running, tokens, new and resumed requests): runs of one trace must
-        # agree on it before their times are compared step by step (``fastest``).
-        self.trace: list[tuple[int, int, int, int]] = []
+        # What each kept timed step scheduled (its number among the timed steps, running, tokens, new and
+        # resumed requests): runs of one trace must agree on it before their times are compared step by step
+        # (``fastest``). Only decode steps are kept, so the numbers say which steps the kept ones were.
+        self.trace: list[tuple[int, int, int, int, int]] = []
+        self.timed_steps = 0
         self.most = self.settled = 0
         self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
         self.depth = 0  # timed calls under way: one made from another is counted in the outer one
@@ -188,12 +191,13 @@ class Engine:
         self.sched.update_from_output(so, out)
         t3 = time.thread_time()
         now = len(so.num_scheduled_tokens)
+        self.timed_steps += timed
         self.settled = self.settled + 1 if now <= self.most else 0
         self.most = max(self.most, now)
         if timed and now and all(v == 1 for v in so.num_scheduled_tokens.values()):
             self.times.append((t1 - t0) + (t3 - t2))
             self.running.append(now)
-            self.trace.append((now, so.total_num_scheduled_tokens, len(so.scheduled_new_reqs),
+            self.trace.append((self.timed_steps - 1, now, so.total_num_scheduled_tokens, len(so.scheduled_new_reqs),
                                len(so.scheduled_cached_reqs.resumed_req_ids)))
             self.connector_times.append(self.in_connector)
             self.parts.append(self.step_parts)
@@ -267,8 +271,13 @@ def fastest(runs: list[Engine]) -> Engine:
     step by step (checked: the same requests scheduled, as many heat summaries), and a machine shared with other
     jobs only adds time to it: what stays is the step's own cost, its longest steps those that do the most work."""
     first = runs[0]
+
+    def work(e: Engine) -> tuple:
+        return (e.trace, len(e.heat_times), [size for size, _ in e.metadata],
+                [{label: calls for label, (_, calls) in step.items()} for step in e.parts])
+
     for other in runs[1:]:
-        if other.trace != first.trace or len(other.heat_times) != len(first.heat_times):
+        if work(other) != work(first):
             raise RuntimeError("two runs of the same trace scheduled differently: their steps cannot be compared")
 
     def least(lists) -> list[float]:
@@ -298,7 +307,8 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: 
                                                                                            strict=True)) * 1e6, 2),
                      "steps": len(e.times),
                      "longest_over_median": round(max(e.times) / statistics.median(e.times), 2),
-                     "longest_steps": sorted(range(len(e.times)), key=e.times.__getitem__, reverse=True)[:3]}
+                     "longest_steps": [e.trace[i][0] for i in sorted(range(len(e.times)), key=e.times.__getitem__,
+                                                                       reverse=True)[:3]]}
         if e.has_connector:
             out[mode]["connector_median_us"] = round(statistics.median(e.connector_times) * 1e6, 1)
             out[mode]["connector_longest_over_median"] = round(max(e.connector_times)

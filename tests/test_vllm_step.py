@@ -36,7 +36,11 @@ def test_each_step_is_the_least_any_run_took(runs):
 
 
 def test_runs_that_scheduled_differently_are_refused(runs):
-    first, other = runs[0]["native"], copy.copy(runs[1]["native"])
-    other.trace = [*other.trace[:-1], (0, 0, 0, 0)]
-    with pytest.raises(RuntimeError, match="scheduled differently"):
-        S.fastest([first, other])
+    first = runs[0]["native"]
+    shifted = copy.copy(runs[1]["native"])  # the same steps, kept one timed step later
+    shifted.trace = [(step + 1, *rest) for step, *rest in shifted.trace]
+    other = copy.copy(runs[1]["hisparse"])  # other work: a step's metadata or calls differ
+    other.trace = first.trace
+    for run in (shifted, other):
+        with pytest.raises(RuntimeError, match="scheduled differently"):
+            S.fastest([first, run])

@@ -53,9 +53,8 @@ bytes`` overrides the row for any preset; 656 for GLM-5.3 gives vLLM's 53,940
 bytes per token).  With an indexer on every layer the indexer keys set the
 HiSparse block size, and a hot group holds as many layers as one block holds
 of their pages, as vLLM's planner groups them (DeepSeek-V3.2: 12 layers, 6
-groups; GLM-5.1: 15 layers, 6 groups; :meth:`ModelPreset.hot_groups`); the
-block counts whole layer pages (13 for DeepSeek-V3.2, where vLLM's holds the
-keys' 8,052 bytes a token exactly, 12.3 pages), a few percent more.
+groups; GLM-5.1: 15 layers, 6 groups; :meth:`ModelPreset.hot_groups`), in
+blocks of whole layer pages (13 for DeepSeek-V3.2), as vLLM's are.
 
 Weights
 -------
