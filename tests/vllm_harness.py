@@ -562,9 +562,11 @@ class FakeWorker:
 
         so = pickle.loads(pickle.dumps(so))
         self.stats.steps += 1
-        for rid in so.finished_req_ids:
+        # Sets: dropped in a fixed order, so that which state row each request gets next does not hang on the
+        # process's string hashing.
+        for rid in sorted(so.finished_req_ids):
             self._drop(rid)
-        for rid in so.preempted_req_ids or ():
+        for rid in sorted(so.preempted_req_ids or ()):
             self._drop(rid)
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)
