@@ -33,11 +33,10 @@ scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring. The longest step over the median is printed for
 every mode (``longest_over_median``, and which of the timed steps, counted from 0 in every mode alike, were the
-three longest: ``longest_steps``), for the
-connector part alone (``connector_longest_over_median``), and for hisparse the longest a heat summary took to
-apply (``heat_summary_max_us``, thread CPU, within the connector part). The trace's requests start together and
-seal their pages in nearby steps, so its longest steps hold vLLM's own work for many requests at once: read
-hisparse's beside native's.
+three longest: ``longest_steps``), for the connector part alone (``connector_longest_over_median``), and for
+hisparse the longest a heat summary took to apply (``heat_summary_max_us``, thread CPU, within the connector
+part). The trace's requests start together and seal their pages in nearby steps, so its longest steps hold
+vLLM's own work for many requests at once: read hisparse's beside native's.
 
 With ``--breakdown``, each HiSparse mode also prints where its connector part goes (``breakdown``: per label,
 the median and mean microseconds a step and the calls a step, each call timed whole, callees included, and only
@@ -268,8 +267,9 @@ def run(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool
 def fastest(runs: list[Engine]) -> Engine:
     """One mode's runs of the same trace as one: each timed step's figures (the step, the connector part,
     each heat summary, the pickling, each breakdown label) the least any run took. Each run does the same work
-    step by step (checked: the same requests scheduled, as many heat summaries), and a machine shared with other
-    jobs only adds time to it: what stays is the step's own cost, its longest steps those that do the most work."""
+    step by step (checked: the same steps kept and requests scheduled, as many heat summaries, the same metadata
+    sizes and breakdown calls), and a machine shared with other jobs only adds time to it: what stays is the
+    step's own cost, its longest steps those that do the most work."""
     first = runs[0]
 
     def work(e: Engine) -> tuple:

@@ -520,14 +520,14 @@ def calculate(
 
     # Blocks: their size is the model's, set by its own hot groups; --groups changes only how many a request holds,
     # each of whose layers' pages must fit in one block.
-    sizes = block_bytes(layers=preset.layers, indexers=preset.indexers, groups=preset.hot_groups(row),
-                        row_bytes=row)
-    groups = preset.hot_groups(row) if given_groups is None else given_groups
+    model_groups = preset.hot_groups(row)
+    sizes = block_bytes(layers=preset.layers, indexers=preset.indexers, groups=model_groups, row_bytes=row)
+    groups = model_groups if given_groups is None else given_groups
     layer_pages = sizes["hisparse"] // (BLOCK_TOKENS * row)
-    if -(-preset.layers // groups) > layer_pages:
+    group_layers = -(-preset.layers // groups)
+    if group_layers > layer_pages:
         raise CalcError(f"groups must be at least {-(-preset.layers // layer_pages)} for {preset.name}: a group's "
-                        f"hot rows hold pages of {-(-preset.layers // groups)} layers, and one HiSparse block "
-                        f"holds {layer_pages}")
+                        f"hot rows hold pages of {group_layers} layers, and one HiSparse block holds {layer_pages}")
     bt = BLOCK_TOKENS
     seq_blocks = -(-seq_len // bt)
     per_request = per_request_gpu_blocks(
