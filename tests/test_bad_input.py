@@ -34,7 +34,17 @@ LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_
 TOP_K = 8
 
 #: Never a valid integer argument anywhere.
-NOT_INTS = [1.5, 2.0, math.nan, math.inf, -math.inf, True, False, "3", b"3", [3], (3,), None, object()]
+class _NoIndex:
+    """An integer-like whose ``__index__`` raises (not a TypeError): it gives no integer."""
+
+    def __index__(self):
+        raise ValueError("no integer here")
+
+    def __repr__(self):
+        return "_NoIndex()"
+
+
+NOT_INTS = [1.5, 2.0, math.nan, math.inf, -math.inf, True, False, "3", b"3", [3], (3,), None, object(), _NoIndex()]
 #: Integers outside 0..2**32 (u32 arguments: sizes, lengths, token counts, rows, pages, layers).
 NOT_U32 = [-1, -(2**31), 2**32, 2**63, 2**64, 2**100, -(2**64)]
 #: Integers outside 0..2**64 (u64 arguments: request and transfer ids).
@@ -112,12 +122,14 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
             add("ResidencyManager()", f"{arg}={bad!r}",
                 lambda arg=arg, bad=bad: ResidencyManager(**{**sizes, arg: bad}))
     no_host = {k: v for k, v in sizes.items() if k != "num_host_blocks"}
-    for bad in [math.nan, math.inf, -1.0, 0.0, 1e308, "1", True]:
-        add("ResidencyManager()", f"host_pool_gib={bad!r}",
+    for bad in [math.nan, math.inf, -1.0, 0.0, 1e308, 10**400, -(10**400), "1", True]:
+        add("ResidencyManager()", f"host_pool_gib={bad!r:.20}",
             lambda bad=bad: ResidencyManager(**no_host, host_pool_gib=bad, page_bytes=4096))
     for bad in ["coldest ", "LRU", 1, b"fifo"]:
         add("ResidencyManager()", f"policy={bad!r}", lambda bad=bad: ResidencyManager(**sizes, policy=bad))
     add("ResidencyManager()", "both host sizes", lambda: ResidencyManager(**sizes, host_pool_gib=1.0, page_bytes=8))
+    add("ResidencyManager()", "materialize_budget=0 (no page could ever be released)",
+        lambda: ResidencyManager(**sizes, materialize_budget=0))
 
     for bad in NOT_INTS + NOT_U64:
         add("admit", f"request_id={bad!r}", lambda bad=bad: m.admit(bad, 8))
@@ -143,7 +155,7 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
                         ("admit", lambda: m.admit(99, 8, Huge())),
                         ("apply_results", lambda: m.apply_results(completed=Huge()))]:
         add(entry, "a sequence of 2**40 elements", call)
-    for what, kwargs in [("block_size 0", dict(block_size=0)),
+    for what, kwargs in [("block_size 0", dict(block_size=0)), ("groups 0", dict(groups=0)),
                          ("overflow", dict(seq_len=2**64 - 1, block_size=1, tail_pages=0, groups=1)),
                          ("groups overflow", dict(seq_len=0, block_size=1, tail_pages=2**32 - 1, groups=2**32 - 1))]:
         full = dict(seq_len=1, block_size=16, hot_rows=32, tail_pages=2, groups=1) | kwargs

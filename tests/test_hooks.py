@@ -8,7 +8,7 @@ import torch
 
 from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError, _core
 from hisparse.heat import HeatOptions
-from hisparse.hooks import CallOrderError, SchedulerHooks, StepResults, WorkerHooks, WorkerStep
+from hisparse.hooks import CallOrderError, SchedulerHooks, StepGapError, StepResults, WorkerHooks, WorkerStep
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=200, block_size=8, max_model_len=256, max_running=4,
                 hot_rows=32, row_bytes=32, layer_groups=(0, 0, 1))
@@ -213,6 +213,54 @@ def test_what_crosses_between_the_halves_pickles():
     worker.apply(same)
     sched.apply_results(pickle.loads(pickle.dumps(worker.end_step())))
     assert sched.capacity()["pending_transfers"] == 0
+
+
+def test_results_and_steps_stay_with_the_scheduler_that_planned_them():
+    # Two schedulers alike plan alike steps: same numbers, same transfer ids. Results of one's step handed to
+    # the other would mark pages it never had copied as saved on the host.
+    (a, worker_a), (b, worker_b) = pair(), pair()
+    for sched in (a, b):
+        sched.admit("r", 40)
+    run_step(a, worker_a, [("r", 40)])
+    run_step(b, worker_b, [("r", 40)])
+    step_a, step_b = a.plan_step([("r", 1)]), b.plan_step([("r", 1)])
+    assert step_a.plan.transfer_ids == step_b.plan.transfer_ids != [] and step_a == step_b
+    worker_a.apply(step_a)
+    results = worker_a.end_step()
+    with pytest.raises(InvalidArgumentError, match="another scheduler"):
+        b.apply_results(results)
+    assert b.awaiting_results == 2 and b.capacity()["pending_transfers"] == 5  # nothing taken
+    a.apply_results(results)
+    # A worker holds one scheduler's state: another's next step is a gap, which that scheduler's resync closes.
+    with pytest.raises(StepGapError, match="another scheduler"):
+        worker_a.apply(step_b)
+    b.apply_results(StepResults(step=2))  # none of its copies is done: they are reported later
+    resync = b.resync_worker()
+    worker_a.apply(resync)
+    b.apply_results(worker_a.end_step())
+    run_step(b, worker_a, [("r", 1)])
+    assert b.capacity()["pending_transfers"] == 0
+
+
+def test_ids_of_a_string_subclass_reach_the_worker_as_strings():
+    class Name(str):
+        pass
+
+    sched, worker = pair()
+    sched.admit(Name("a"), 20)
+    step = sched.plan_step([(Name("a"), 20)])
+    assert [type(rid) for rid in step.request_ids] == [str]
+    worker.apply(pickle.loads(pickle.dumps(step)))
+    sched.apply_results(worker.end_step())
+    assert "a" in sched and Name("a") in sched
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_results_pickle_under_every_protocol(protocol):
+    results = StepResults(step=3, completed=(1, 2), failed=(4,), heat=b"x", hits=5, misses=6, h2d_bytes=7,
+                          scheduler=9)
+    again = pickle.loads(pickle.dumps(results, protocol=protocol))
+    assert again == results and again.scheduler == 9
 
 
 def test_heat_summaries_come_every_interval_and_the_counts_halve():

@@ -11,7 +11,7 @@ lock inside (taken after the GIL is released, so waiting never blocks other Pyth
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, SupportsIndex, TypeVar
+from typing import Literal, SupportsIndex, TypeVar, final
 
 Residency = Literal["full", "mixed", "none"]
 Policy = Literal["coldest", "fifo", "resident"]
@@ -21,8 +21,9 @@ _T = TypeVar("_T")
 
 __version__: str
 
+@final
 class Admission:
-    """What ``admit`` and ``resume`` return."""
+    """What ``admit`` and ``resume`` return; made by the core only."""
 
     @property
     def row(self) -> int:
@@ -37,6 +38,7 @@ class Admission:
         """Pages this admission queued restores (host -> GPU) for, carried by the next plan; the request runs once
         they have landed. Adopted GPU copies are not counted."""
 
+@final
 class StepPlan:
     """One step's work for the worker, applied in this order before the forward: cleared rows; the rows'
     requests, lengths, table entries and hot regions; restores (host -> GPU); page copies (GPU -> host).
@@ -76,6 +78,9 @@ class StepPlan:
         """(request_id, row, start, new_tokens) per scheduled request, in the order given to ``plan_step``."""
     @property
     def num_scheduled(self) -> int: ...
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the scheduled requests write in all."""
     @property
     def rows(self) -> list[int]:
         """The state row of each scheduled request, in order."""
@@ -153,7 +158,7 @@ class ResidencyManager:
         """Stops a request; returns the tokens kept on the host."""
     def check_invariants(self) -> None:
         """Recomputes every invariant; ``InvariantError`` names the first broken one."""
-    def __contains__(self, request_id: object) -> bool: ...
+    def __contains__(self, request_id: object, /) -> bool: ...
     def request_ids(self) -> list[int]: ...
     def request_info(self, request_id: Int) -> dict[str, int | str | None]:
         """``row`` (None when preempted), ``seq_len``, ``residency``, ``num_pages``, ``host_only_pages``,

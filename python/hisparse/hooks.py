@@ -47,6 +47,8 @@ The order is enforced; a call out of order raises :class:`CallOrderError` and ch
   plan, or starting the next step before ``end_step`` are refused. A worker handed a step past its next one
   (it was rebuilt, or missed steps) raises :class:`StepGapError`: the scheduler's ``resync_worker()`` then
   gives the step that brings it to the current state, which every worker applies.
+* one scheduler, one worker state: each step carries its scheduler's identity, and its results carry it back.
+  A scheduler refuses the results of another's step, and a worker another scheduler's step but a resync.
 
 With tensor parallelism every worker applies the same steps; any one worker's results (they are the same
 copies and the same selections) go to ``apply_results``.
@@ -55,6 +57,7 @@ copies and the same selections) go to ``apply_results``.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -114,12 +117,16 @@ class WorkerStep:
     ``step`` counts good plans from 1; a short plan (``ok`` False) has step 0 and must not be applied.
     ``resync``: the plan of :meth:`SchedulerHooks.resync_worker`, which a worker applies whatever it applied
     before. ``plan`` may also be given as its bytes (``StepPlan.to_bytes``); it is decoded and checked.
+    ``scheduler``: the identity of the :class:`SchedulerHooks` that planned it (0: not said, not checked),
+    which the worker's results carry back: transfer ids and step numbers are per scheduler, so results of
+    another scheduler's step would name its copies as this one's.
     """
 
     step: int
     plan: StepPlan
     request_ids: tuple[str, ...] = ()
     resync: bool = False
+    scheduler: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -129,6 +136,8 @@ class WorkerStep:
             raise InvalidArgumentError(f"step must be a non-negative int, not {self.step!r}")
         if type(self.resync) is not bool:
             raise InvalidArgumentError(f"resync must be True or False, not {self.resync!r}")
+        if type(self.scheduler) is not int or not 0 <= self.scheduler < 1 << 64:
+            raise InvalidArgumentError(f"scheduler must be an int in 0..2**64, not {self.scheduler!r}")
         plan = self.plan
         if isinstance(plan, bytes | bytearray):
             object.__setattr__(self, "plan", plan := StepPlan.from_bytes(plan))
@@ -143,24 +152,27 @@ class WorkerStep:
             )
 
     @classmethod
-    def _of_plan(cls, step: int, plan: StepPlan, request_ids: tuple[str, ...], resync: bool = False) -> WorkerStep:
+    def _of_plan(cls, step: int, plan: StepPlan, request_ids: tuple[str, ...], resync: bool = False,
+                 scheduler: int = 0) -> WorkerStep:
         """What ``plan_step`` builds: its values are right by construction, so the per-step cost of checking
         them (a pass over every request id) is skipped."""
         obj = object.__new__(cls)
-        for name, value in (("step", step), ("plan", plan), ("request_ids", request_ids), ("resync", resync)):
+        for name, value in (("step", step), ("plan", plan), ("request_ids", request_ids), ("resync", resync),
+                            ("scheduler", scheduler)):
             object.__setattr__(obj, name, value)
         return obj
 
     def __getstate__(self) -> dict:
         """What crosses processes: the fields, not the views built from them on demand."""
-        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids, "resync": self.resync}
+        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids, "resync": self.resync,
+                "scheduler": self.scheduler}
 
     def __setstate__(self, state: object) -> None:
         """An unpickled step is checked as a constructed one: it may come from anywhere."""
-        fields = ("step", "plan", "request_ids", "resync")
+        fields = ("step", "plan", "request_ids", "resync", "scheduler")
         if not isinstance(state, dict) or not set(state) <= set(fields) or not {"step", "plan"} <= set(state):
             raise InvalidArgumentError(f"a pickled WorkerStep holds {list(fields)}, not {state!r:.200}")
-        defaults = {"request_ids": (), "resync": False}
+        defaults = {"request_ids": (), "resync": False, "scheduler": 0}
         for name in fields:
             object.__setattr__(self, name, state.get(name, defaults.get(name)))
         self._check()
@@ -208,12 +220,26 @@ class StepResults:
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
+    #: The ``WorkerStep.scheduler`` of the step these results end (0: not said, not checked).
+    scheduler: int = field(default=0, compare=False)
+
+    def __getstate__(self) -> tuple:
+        # Said, so that every pickle protocol takes it (0 and 1 need it for a class with slots).
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            object.__setattr__(self, name, value)
 
 
 def _check_request_id(request_id: Any) -> str:
+    """The id as the hooks keep it and hand it to the worker: a plain ``str``. A subclass's value (e.g.
+    ``numpy.str_``) is taken as that string, as a step that crosses processes must carry it."""
+    if type(request_id) is str:
+        return request_id
     if not isinstance(request_id, str):
         raise InvalidArgumentError(f"request ids are strings, not {type(request_id).__name__} ({request_id!r})")
-    return request_id
+    return str.__str__(request_id)
 
 
 class SchedulerHooks:
@@ -234,6 +260,8 @@ class SchedulerHooks:
         self._next_id = 1
         self._steps = 0
         self._outstanding: int | None = None  # step whose results have not come back yet
+        # Which scheduler planned a step (``WorkerStep.scheduler``): random, so that another's differs.
+        self._identity = int.from_bytes(os.urandom(8), "little") | 1
         self._metrics = dict(hits=0, misses=0, h2d_bytes=0, admissions=0, prefix_hit_tokens=0, preemptions=0,
                              resumptions=0, finished=0, short_plans=0, transitions=0, resyncs=0)
 
@@ -341,10 +369,12 @@ class SchedulerHooks:
         self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
             self._metrics["short_plans"] += 1
-            return WorkerStep._of_plan(0, plan, ())
+            return WorkerStep._of_plan(0, plan, (), scheduler=self._identity)
         self._steps += 1
         self._outstanding = self._steps
-        return WorkerStep._of_plan(self._steps, plan, tuple([rid for rid, _ in pairs]))
+        names = self._names
+        return WorkerStep._of_plan(self._steps, plan, tuple([names[core_id] for core_id, _ in core]),
+                                   scheduler=self._identity)
 
     def resync_worker(self) -> WorkerStep:
         """The step that brings a rebuilt worker (a new process, a crashed rank, one whose ``apply`` raised
@@ -365,7 +395,7 @@ class SchedulerHooks:
         self._metrics["resyncs"] += 1
         names = self._names
         return WorkerStep._of_plan(self._outstanding, plan, tuple([names[s[0]] for s in plan.scheduled]),
-                                   resync=True)
+                                   resync=True, scheduler=self._identity)
 
     def apply_results(self, results: StepResults) -> None:
         """Takes the worker's feedback of the outstanding step in one atomic core call: finished and failed
@@ -374,6 +404,9 @@ class SchedulerHooks:
             raise InvalidArgumentError(f"apply_results() takes StepResults, not {type(results).__name__}")
         if type(results.step) is not int:
             raise InvalidArgumentError(f"results.step must be an int, not {type(results.step).__name__}")
+        if results.scheduler not in (0, self._identity):
+            raise InvalidArgumentError(f"these are the results of step {results.step} of another scheduler: a "
+                                       f"worker's results go to the SchedulerHooks that planned its steps")
         if self._outstanding is None:
             raise CallOrderError(f"apply_results() for step {results.step}, but no step is waiting for results")
         if results.step != self._outstanding:
@@ -490,6 +523,7 @@ class WorkerHooks:
         self.heat = heat if heat is not None else HeatOptions()
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
+        self._scheduler = 0  # the WorkerStep.scheduler of the steps applied (0: none said yet)
         self._in_flight: list[_InFlight] = []
         self._summaries: list[HeatSummaryInFlight] = []
         self._counters = _LaggedCounters(datapath.device)
@@ -549,6 +583,11 @@ class WorkerHooks:
                 f"be applied; plan again"
             )
         # A resync step is applied whatever this worker applied before.
+        if not step.resync and step.scheduler and self._scheduler and step.scheduler != self._scheduler:
+            raise StepGapError(
+                f"apply() of step {step.step} of another scheduler than the steps this worker applied: its state "
+                f"is that scheduler's; apply the new scheduler's SchedulerHooks.resync_worker() step instead"
+            )
         if not step.resync and step.step <= self._last:
             raise CallOrderError(f"the plan of step {step.step} was applied already (last applied: {self._last})")
         if not step.resync and step.step != self._last + 1:
@@ -564,6 +603,7 @@ class WorkerHooks:
             self._in_flight.append(_InFlight(tuple(started), copied))
         self._step = step
         self._last = step.step
+        self._scheduler = step.scheduler or self._scheduler
         return started
 
     # ------------------------------------------------------------------ during the forward
@@ -698,6 +738,6 @@ class WorkerHooks:
             heat = self._summaries.pop(0).take()
         self._step = None
         if not due and not flush:
-            return StepResults(step.step, completed, (), heat)
+            return StepResults(step.step, completed, (), heat, scheduler=step.scheduler)
         hits, misses, h2d = self._counters.take(self.dp.state["counters"])
-        return StepResults(step.step, completed, (), heat, hits, misses, h2d)
+        return StepResults(step.step, completed, (), heat, hits, misses, h2d, step.scheduler)

@@ -161,6 +161,13 @@ impl Config {
         if self.num_index_groups == 0 || self.max_running == 0 {
             return bad("num_index_groups and max_running must be positive".into());
         }
+        if self.materialize_budget == 0 {
+            return bad(
+                "materialize_budget must be positive: with no page copied to the host, no page could ever \
+                        be released"
+                    .into(),
+            );
+        }
         if self.hot_rows < self.top_k {
             return bad(format!(
                 "hot_rows ({}) is smaller than top_k ({}): one decode step could never fit; raise hot_rows",

@@ -5,7 +5,7 @@
 
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyString, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyString, PyTuple};
 
 use crate::errors::invalid;
 
@@ -64,7 +64,8 @@ fn integer(v: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<i128> {
         Err(e) if e.is_instance_of::<PyTypeError>(v.py()) => {
             Err(invalid(format!("{} must be an integer, not {}", name(), type_name(v))))
         }
-        Err(e) => Err(e),
+        // Its own `__index__` raised: the value has no integer to give.
+        Err(e) => Err(invalid(format!("{} = {v} gives no integer: {e}", name()))),
     }
 }
 
@@ -90,7 +91,15 @@ pub fn number(v: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
     if v.is_instance_of::<PyBool>() {
         return Err(invalid(format!("{name} must be a number, not bool")));
     }
-    v.extract().map_err(|_| invalid(format!("{name} must be a number, not {}", type_name(v))))
+    match v.extract::<f64>() {
+        // An int past a float's range is a number all the same, infinite as a float: the configuration's to
+        // refuse, as it refuses the infinities.
+        Err(e) if e.is_instance_of::<PyOverflowError>(v.py()) && v.is_instance_of::<PyInt>() => {
+            Ok(if v.gt(0)? { f64::INFINITY } else { f64::NEG_INFINITY })
+        }
+        Err(_) => Err(invalid(format!("{name} must be a number, not {}", type_name(v)))),
+        Ok(x) => Ok(x),
+    }
 }
 
 pub fn boolean(v: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {

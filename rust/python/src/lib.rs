@@ -51,15 +51,16 @@ fn steady_state_blocks(
         args::int(v, name)
     }
     let block_size: u32 = arg(block_size, "block_size")?;
-    if block_size == 0 {
-        return Err(errors::invalid("block_size must be positive".into()));
+    let groups = arg(groups, "groups")?;
+    if block_size == 0 || groups == 0 {
+        return Err(errors::invalid("block_size and groups must be positive".into()));
     }
     hisparse_core::steady_state_blocks(
         arg(seq_len, "seq_len")?,
         block_size,
         arg(hot_rows, "hot_rows")?,
         arg(tail_pages, "tail_pages")?,
-        arg(groups, "groups")?,
+        groups,
     )
     .ok_or_else(|| errors::invalid("steady_state_blocks overflows 64 bits for these sizes".into()))
 }
