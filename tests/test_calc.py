@@ -110,6 +110,14 @@ def test_model_that_does_not_fit_gives_zeros() -> None:
 def test_kv_override_zero_also_means_no_kv() -> None:
     r = calc.calculate(kv_hbm_gib=0)
     assert (r.baseline_total, r.hisparse_total, r.limiter) == (0, 0, "no_kv_memory")
+    # Too little for one block is none either: not the GPU "binding" at 0 requests.
+    r = calc.calculate(kv_hbm_gib=1e-300)
+    assert (r.baseline_total, r.hisparse_total, r.limiter) == (0, 0, "no_kv_memory")
+
+
+def test_a_host_pool_past_the_range_is_named_as_given() -> None:
+    with pytest.raises(calc.CalcError, match="a host pool of 4096.0001 GiB per replica is beyond"):
+        calc.calculate(host_gib=4096.0001)
 
 
 def test_one_million_tokens() -> None:

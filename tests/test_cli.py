@@ -87,6 +87,8 @@ LINES = [
     ["calc", "--mtp", "3", "--hot-rows", "4096"], ["calc", "--seq"], ["calc", "--bogus", "1"],
     ["simulate", "--hot-rows", "4096", "--adaptive-hot-rows"], ["simulate", "--concurrency"],
     ["simulate", "--hot-buffers"], ["simulate", "--mtp", "0", "--accept-length", "2"],
+    ["simulate", "--mode", "offload", "--hot-rows", "4096"], ["simulate", "--mode", "offload", "--adaptive-hot-rows"],
+    ["simulate", "--mode", "offload", "--hot-buffers", "adaptive"],
     ["scenario", "--seed"], ["scenario", "--json", "x"],
     [], ["bogus"], ["--bogus"], ["-x", "calc"],
 ]

@@ -109,6 +109,16 @@ def test_default_deployment_sizes():
     assert K.TOP_K <= adaptive.hot_rows < h.hot_rows
 
 
+def test_adaptive_hot_rows_are_reported_per_point_not_per_mode():
+    configs = [SimConfig(mode="hisparse", adaptive_hot_rows=True, concurrency=c) for c in (1, 64)]
+    sizes = [derive(cfg).hot_rows for cfg in configs]
+    assert sizes[0] != sizes[1]  # what the mode's header cannot give as one figure
+    details = sim_mod.mode_details(configs[0])
+    assert details["hot_rows"] is None and details["core_hot_blocks"] is None
+    result = {"config": sim_mod.describe(configs[0]), "modes": {"hisparse/coldest": details}, "points": []}
+    assert "hot rows sized per concurrency" in sim_mod.format_table(result)
+
+
 def test_adaptive_hot_rows_fit_the_concurrency():
     for c in (1, 8, 32):
         cfg = SimConfig(mode="hisparse", adaptive_hot_rows=True, concurrency=c)

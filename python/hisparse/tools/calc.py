@@ -492,7 +492,7 @@ def calculate(
     if host_gib is not None:
         host_gib = _require_gib("host_gib", host_gib)
         if host_gib > HOST_POOL_MAX_GIB:
-            raise CalcError(f"a host pool of {host_gib:g} GiB per replica is beyond the calculator's range; use "
+            raise CalcError(f"a host pool of {host_gib} GiB per replica is beyond the calculator's range; use "
                             f"--host-gib {HOST_POOL_MAX_GIB} or less")
     if kv_hbm_gib is not None:
         kv_hbm_gib = _require_gib("kv_hbm_gib", kv_hbm_gib)
@@ -554,7 +554,7 @@ def calculate(
     offloaded = min(max_seqs, gpu_limit, host_limit)
     hisparse = max(baseline, offloaded)
 
-    if kv <= 0:
+    if kv <= 0 or max(baseline_gpu_blocks, hisparse_gpu_blocks) == 0:
         limiter = "no_kv_memory"
     elif offloaded > baseline:
         limiter = min(("max_seqs", max_seqs), ("gpu", gpu_limit), ("host", host_limit),
@@ -605,7 +605,7 @@ _LIMITER_TEXT = {
     "gpu": "gpu (HBM for indexer keys, hot rows and tail pages binds)",
     "host": "host (the host pool binds)",
     "baseline": "baseline (HiSparse does not beat keeping all KV on the GPU)",
-    "no_kv_memory": "no_kv_memory (no HBM left for KV: the weights, or --kv-hbm-gib)",
+    "no_kv_memory": "no_kv_memory (no HBM left for one KV block: the weights, or --kv-hbm-gib)",
 }
 
 

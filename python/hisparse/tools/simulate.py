@@ -1235,6 +1235,9 @@ def accept_length(given: float | None, mtp: int) -> float:
 
 
 def build_configs(args: argparse.Namespace) -> list[SimConfig]:
+    if args.mode == "offload" and (args.hot_rows is not None or args.adaptive_hot_rows or args.hot_buffers != "fixed"):
+        raise ConfigError("--hot-rows, --adaptive-hot-rows and --hot-buffers size hisparse's hot buffers, and "
+                          "--mode offload has none: use --mode hisparse or both")
     modes = MODES if args.mode == "both" else (args.mode,)
     policies = TIER_POLICIES if args.policy == "both" else (args.policy,)
     buffers = HOT_BUFFERS if args.hot_buffers == "both" else (args.hot_buffers,)
@@ -1274,9 +1277,13 @@ def describe(cfg: SimConfig) -> dict[str, Any]:
 
 
 def mode_details(cfg: SimConfig) -> dict[str, Any]:
+    """What a mode's points share. The hot rows do not when ``--adaptive-hot-rows`` sizes them per concurrency:
+    None then (each point's ``hot_rows`` says)."""
     d = derive(cfg)
+    shared = not cfg.adaptive_hot_rows
     return {"host_gib": d.host_gib, "host_blocks": d.num_host_blocks, "host_page_bytes": d.host_page_bytes,
-            "hot_rows": d.hot_rows, "core_hot_blocks": d.core_hot_rows // cfg.block_tokens,
+            "hot_rows": d.hot_rows if shared else None,
+            "core_hot_blocks": d.core_hot_rows // cfg.block_tokens if shared else None,
             "indexer_charge_tokens": d.indexer_charge_tokens}
 
 
@@ -1292,8 +1299,12 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
         f"{c['duration_s']:g} s simulated per point",
     ]
     for mode, det in result["modes"].items():
-        hot = (f", hot rows {det['hot_rows']:,} (core region {det['core_hot_blocks']} blocks incl. indexer "
-               f"keys of {det['indexer_charge_tokens']:,} tokens)") if mode.startswith("hisparse") else ""
+        hot = ""
+        if mode.startswith("hisparse") and det["hot_rows"] is None:
+            hot = ", hot rows sized per concurrency (--adaptive-hot-rows: each point's hot_rows in --json)"
+        elif mode.startswith("hisparse"):
+            hot = (f", hot rows {det['hot_rows']:,} (core region {det['core_hot_blocks']} blocks incl. indexer "
+                   f"keys of {det['indexer_charge_tokens']:,} tokens)")
         gib = f"{det['host_gib']:g} GiB" if det["host_gib"] is not None else "host pool"
         lines.append(f"  {mode}: {gib} = {det['host_blocks']:,} host blocks{hot}")
     head = ("mode", "policy", "c", "running", "max", "mixed", "out tok/s", "TTFT p50 s", "ITL p50 ms",
