@@ -395,6 +395,37 @@ def test_short_turns_restored_whole_through_preemptions_and_aborts(monkeypatch):
     _assert_all_freed(setup, worker)
 
 
+@pytest.mark.parametrize("longest, short", [(4024, True), (4032, False)])
+def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, short):
+    """A later turn of prompt + max_tokens just under the admission window (64 pages on GLM-5.3's layout), under
+    MTP 3 with async scheduling: vLLM allocates slots past the last token (drafts and lookahead, 1 + 3 + 3), so
+    at 4,032 tokens its rows would fill the window in its last steps and move it to a hot region of 3,360
+    blocks after it was restored whole and admitted as never needing one. It is short only when its rows,
+    those slots included, stay within the window: then it is restored whole and never holds a region; else
+    it reads through one from the start, as vLLM gives a host prefix hit, and restores nothing."""
+    monkeypatch.setattr(H, "TOP_K", 2048)
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.0, max_model_len=4096, num_spec_tokens=3,
+                    async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8)
+    worker = H.FakeWorker(setup, layers=[0, 42])
+    coordinator = H.hisparse_coordinators(setup.scheduler)[0]
+    first = H.Job("c0-t0", H.prompt(300, 2000), 48)
+    prompt = first.prompt + H.greedy(first.prompt, 48)
+    later = H.Job("c0-t1", prompt + H.prompt(999, 3600 - len(prompt)), longest - 3600)
+    held = []
+
+    def on_step(_):
+        request = setup.scheduler.requests.get("c0-t1")
+        if request is not None and coordinator.hot_managers[0].has_hot("c0-t1"):
+            held.append(request.num_tokens)
+
+    H.run(setup, worker, [first], then={"c0-t0": later}, num_spec_tokens=3, on_step=on_step)
+    assert coordinator.counters["restored_whole"] == int(short)
+    assert coordinator.counters["transitions"] == 0
+    assert (held == []) == short, held[:3]
+    assert setup.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1
+    assert not worker.reqs and not coordinator.request_states
+
+
 @pytest.mark.parametrize("mode", ["native", "fifo"])
 def test_a_synchronous_load_restores_the_import_tail_before_the_forward_reads_it(mode):
     """A later turn whose indexer keys the offloading tier loads synchronously (within vLLM's

@@ -39,7 +39,7 @@ from vllm.v1.hisparse.types import ACTIVE_TAIL_PAGES  # noqa: E402
 
 from ...errors import ConfigError, InvalidArgumentError  # noqa: E402
 from ...heat import HeatOptions  # noqa: E402
-from .coordinator import POLICIES, HisparseCoordinator, build_coordinator  # noqa: E402
+from .coordinator import POLICIES, HisparseCoordinator, build_coordinator, slots_past_end  # noqa: E402
 from .heat import HeatReport, SelectionHeat, joins_batch  # noqa: E402
 
 #: Every key ``kv_connector_extra_config`` may hold: vLLM's HiSparse reads ``host_pool_gib``, hisparse the rest
@@ -193,6 +193,7 @@ class HiSparseConnector(VllmHiSparseConnector):
             logger.warning("hisparse: %s set, but policy fifo (vLLM's release order) counts no selection heat; "
                            "they apply under policy coldest", ", ".join(unused))
         self._admission_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self._slots_past_end = slots_past_end(vllm_config)
         self.selection_heat: SelectionHeat | None = None
         # Per scheduled step, oldest first: requests that started with a host import pending (a synchronous
         # load by another connector; ``update_connector_output``), and whether the oldest step's output
@@ -209,6 +210,7 @@ class HiSparseConnector(VllmHiSparseConnector):
         coordinator.requests = self.connector_scheduler.requests
         if isinstance(coordinator, HisparseCoordinator):
             coordinator.chunk_tokens = self._admission_tokens
+            coordinator.slots_past_end = self._slots_past_end
         self.connector_scheduler.bind_coordinator(coordinator)
 
     def reset_cache(self) -> bool | None:

@@ -61,6 +61,13 @@ def longest_tokens(request) -> int | None:
     """The most tokens a vLLM request can reach (prompt + max_tokens), or None when that is not bounded."""
     return None if request.max_tokens is None else request.num_prompt_tokens + request.max_tokens
 
+
+def slots_past_end(vllm_config) -> int:
+    """The KV slots vLLM allocates past a request's last token, as its scheduler bounds them
+    (``Scheduler._request_remaining_blocks``): a step's drafts and lookahead, with speculative decoding."""
+    spec = vllm_config.num_speculative_tokens
+    return 1 + spec + vllm_config.num_lookahead_tokens if spec else 0
+
 logger = logging.getLogger(__name__)
 
 class HisparseCoordinator(Bookkeeping):
@@ -81,6 +88,9 @@ class HisparseCoordinator(Bookkeeping):
         # vLLM's token budget per step, the longest prefill chunk (set by the connector), and each request's
         # tokens computed once this step has run (advance_scheduled): what its next step allocates.
         self.chunk_tokens = 0
+        # KV slots vLLM allocates past a request's last token (set by the connector: ``slots_past_end``). A
+        # request is short only if its rows never fill the admission window, these slots included.
+        self.slots_past_end = 0
         self._step_ends: dict[str, int] = {}
         # Short requests admitted on a prefix hit, restored whole rather than given a hot region (bind).
         self.restores: WholeRestores | None = None
@@ -95,7 +105,8 @@ class HisparseCoordinator(Bookkeeping):
             self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
 
     def _is_short(self, request) -> bool:
-        return self._never_takes_hot_region(longest_tokens(request))
+        longest = longest_tokens(request)
+        return self._never_takes_hot_region(None if longest is None else longest + self.slots_past_end)
 
     def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
         super().record_pending_host_import(request_id, num_tokens)
