@@ -255,6 +255,30 @@ def test_ids_of_a_string_subclass_reach_the_worker_as_strings():
     assert "a" in sched and Name("a") in sched
 
 
+def test_results_pickled_before_they_named_their_scheduler_still_load():
+    # What the slots dataclass pickled as before the field was added: (None, {slot: value}).
+    old = {"step": 3, "completed": (1,), "failed": (), "heat": None, "hits": 2, "misses": 0, "h2d_bytes": 0}
+    results = object.__new__(StepResults)
+    results.__setstate__((None, old))
+    assert results == StepResults(step=3, completed=(1,), hits=2) and results.scheduler == 0
+    with pytest.raises(InvalidArgumentError, match="a pickled StepResults holds"):
+        object.__new__(StepResults).__setstate__({"completed": ()})
+
+
+def test_a_resync_makes_the_worker_its_schedulers_whatever_it_names():
+    (a, worker), (b, _) = pair(), pair()
+    for sched in (a, b):
+        sched.admit("r", 16)
+    run_step(a, worker, [("r", 16)])
+    resync = b.resync_worker()
+    # A resync rebuilt from its bytes, naming no scheduler: the worker's state is b's after it all the same.
+    worker.apply(WorkerStep(resync.step, resync.plan.to_bytes(), resync.request_ids, resync=True))
+    b.apply_results(worker.end_step())
+    run_step(b, worker, [("r", 1)])  # not refused as another's: the worker no longer holds a's state
+    with pytest.raises(StepGapError, match="another scheduler"):  # and now it knows b's
+        run_step(a, worker, [("r", 1)])
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_results_pickle_under_every_protocol(protocol):
     results = StepResults(step=3, completed=(1, 2), failed=(4,), heat=b"x", hits=5, misses=6, h2d_bytes=7,

@@ -395,11 +395,13 @@ def test_short_turns_restored_whole_through_preemptions_and_aborts(monkeypatch):
     _assert_all_freed(setup, worker)
 
 
-@pytest.mark.parametrize("longest, short", [(4024, True), (4032, False)])
-def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, short):
+@pytest.mark.parametrize("longest, short, rid", [(4022, True, "c0-t1"), (4025, False, "c0-t11"),
+                                                 (4025, False, "c0-t12"), (4032, False, "c0-t1")])
+def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, short, rid):
     """A later turn of prompt + max_tokens just under the admission window (64 pages on GLM-5.3's layout), under
-    MTP 3 with async scheduling: vLLM allocates slots past the last token (drafts and lookahead, 1 + 3 + 3), so
-    at 4,032 tokens its rows would fill the window in its last steps and move it to a hot region of 3,360
+    MTP 3 with async scheduling: vLLM allocates slots past the last token (drafts and lookahead, and the drafts
+    of the step in flight: 1 + 3 + 3 + 3), so at 4,025 tokens or more its rows may fill the window in its last
+    steps (as its drafts happen to be accepted: the request ids seed them) and move it to a hot region of 3,360
     blocks after it was restored whole and admitted as never needing one. It is short only when its rows,
     those slots included, stay within the window: then it is restored whole and never holds a region; else
     it reads through one from the start, as vLLM gives a host prefix hit, and restores nothing."""
@@ -410,12 +412,12 @@ def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, 
     coordinator = H.hisparse_coordinators(setup.scheduler)[0]
     first = H.Job("c0-t0", H.prompt(300, 2000), 48)
     prompt = first.prompt + H.greedy(first.prompt, 48)
-    later = H.Job("c0-t1", prompt + H.prompt(999, 3600 - len(prompt)), longest - 3600)
+    later = H.Job(rid, prompt + H.prompt(999, 3600 - len(prompt)), longest - 3600)
     held = []
 
     def on_step(_):
-        request = setup.scheduler.requests.get("c0-t1")
-        if request is not None and coordinator.hot_managers[0].has_hot("c0-t1"):
+        request = setup.scheduler.requests.get(rid)
+        if request is not None and coordinator.hot_managers[0].has_hot(rid):
             held.append(request.num_tokens)
 
     H.run(setup, worker, [first], then={"c0-t0": later}, num_spec_tokens=3, on_step=on_step)

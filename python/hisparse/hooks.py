@@ -59,7 +59,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -223,13 +223,22 @@ class StepResults:
     #: The ``WorkerStep.scheduler`` of the step these results end (0: not said, not checked).
     scheduler: int = field(default=0, compare=False)
 
-    def __getstate__(self) -> tuple:
+    def __getstate__(self) -> dict:
         # Said, so that every pickle protocol takes it (0 and 1 need it for a class with slots).
-        return tuple(getattr(self, name) for name in self.__slots__)
+        return {name: getattr(self, name) for name in self.__slots__}
 
-    def __setstate__(self, state: tuple) -> None:
-        for name, value in zip(self.__slots__, state, strict=True):
-            object.__setattr__(self, name, value)
+    def __setstate__(self, state: object) -> None:
+        # Also what earlier versions pickled, (None, {slot: value}), without the fields added since.
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
+            state = state[1]
+        if not isinstance(state, dict) or not set(state) <= set(self.__slots__) or "step" not in state:
+            raise InvalidArgumentError(f"a pickled StepResults holds {list(self.__slots__)}, not {state!r:.200}")
+        for name in self.__slots__:
+            object.__setattr__(self, name, state.get(name, _RESULT_DEFAULTS.get(name)))
+
+
+#: What a field of :class:`StepResults` missing from a pickle holds.
+_RESULT_DEFAULTS = {f.name: f.default for f in fields(StepResults)}
 
 
 def _check_request_id(request_id: Any) -> str:
@@ -260,8 +269,9 @@ class SchedulerHooks:
         self._next_id = 1
         self._steps = 0
         self._outstanding: int | None = None  # step whose results have not come back yet
-        # Which scheduler planned a step (``WorkerStep.scheduler``): random, so that another's differs.
-        self._identity = int.from_bytes(os.urandom(8), "little") | 1
+        # Which scheduler planned a step (``WorkerStep.scheduler``): random, so that another's differs; 63
+        # bits, so that an engine may carry it as an int64.
+        self._identity = int.from_bytes(os.urandom(8), "little") >> 1 | 1
         self._metrics = dict(hits=0, misses=0, h2d_bytes=0, admissions=0, prefix_hit_tokens=0, preemptions=0,
                              resumptions=0, finished=0, short_plans=0, transitions=0, resyncs=0)
 
@@ -603,7 +613,8 @@ class WorkerHooks:
             self._in_flight.append(_InFlight(tuple(started), copied))
         self._step = step
         self._last = step.step
-        self._scheduler = step.scheduler or self._scheduler
+        # A resync makes the worker its scheduler's, whatever it held before.
+        self._scheduler = step.scheduler if step.resync else step.scheduler or self._scheduler
         return started
 
     # ------------------------------------------------------------------ during the forward

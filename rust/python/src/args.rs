@@ -3,7 +3,7 @@
 //! takes; anything else is an `InvalidArgumentError` that names the argument. Nothing is truncated, wrapped
 //! or cast silently.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyString, PyTuple};
 
@@ -64,8 +64,13 @@ fn integer(v: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<i128> {
         Err(e) if e.is_instance_of::<PyTypeError>(v.py()) => {
             Err(invalid(format!("{} must be an integer, not {}", name(), type_name(v))))
         }
-        // Its own `__index__` raised: the value has no integer to give.
-        Err(e) => Err(invalid(format!("{} = {v} gives no integer: {e}", name()))),
+        // Its own `__index__` raised an error: the value has no integer to give (an interrupt stays one).
+        Err(e) if e.is_instance_of::<PyException>(v.py()) => {
+            let error = invalid(format!("{} = {v} gives no integer: {e}", name()));
+            error.set_cause(v.py(), Some(e));
+            Err(error)
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -63,10 +63,15 @@ def longest_tokens(request) -> int | None:
 
 
 def slots_past_end(vllm_config) -> int:
-    """The KV slots vLLM allocates past a request's last token, as its scheduler bounds them
-    (``Scheduler._request_remaining_blocks``): a step's drafts and lookahead, with speculative decoding."""
+    """The KV slots vLLM allocates past a request's last token, with speculative decoding: a step's drafts and
+    lookahead, as its scheduler bounds a request's full sequence (``Scheduler._request_remaining_blocks``), and
+    under async scheduling the drafts of the step still in flight too, which it counts computed already (a step
+    is scheduled while two tokens remain). None without drafts."""
     spec = vllm_config.num_speculative_tokens
-    return 1 + spec + vllm_config.num_lookahead_tokens if spec else 0
+    if not spec:
+        return 0
+    in_flight = spec if vllm_config.scheduler_config.async_scheduling is not False else 0  # None: not yet known
+    return 1 + spec + vllm_config.num_lookahead_tokens + in_flight
 
 logger = logging.getLogger(__name__)
 
