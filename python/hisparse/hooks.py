@@ -164,17 +164,14 @@ class WorkerStep:
 
     def __getstate__(self) -> dict:
         """What crosses processes: the fields, not the views built from them on demand."""
-        return {"step": self.step, "plan": self.plan, "request_ids": self.request_ids, "resync": self.resync,
-                "scheduler": self.scheduler}
+        return {name: getattr(self, name) for name in _STEP_DEFAULTS}
 
     def __setstate__(self, state: object) -> None:
         """An unpickled step is checked as a constructed one: it may come from anywhere."""
-        fields = ("step", "plan", "request_ids", "resync", "scheduler")
-        if not isinstance(state, dict) or not set(state) <= set(fields) or not {"step", "plan"} <= set(state):
-            raise InvalidArgumentError(f"a pickled WorkerStep holds {list(fields)}, not {state!r:.200}")
-        defaults = {"request_ids": (), "resync": False, "scheduler": 0}
-        for name in fields:
-            object.__setattr__(self, name, state.get(name, defaults.get(name)))
+        if not isinstance(state, dict) or not set(state) <= set(_STEP_DEFAULTS) or not {"step", "plan"} <= set(state):
+            raise InvalidArgumentError(f"a pickled WorkerStep holds {list(_STEP_DEFAULTS)}, not {state!r:.200}")
+        for name, default in _STEP_DEFAULTS.items():
+            object.__setattr__(self, name, state.get(name, default))
         self._check()
 
     @property
@@ -225,20 +222,26 @@ class StepResults:
 
     def __getstate__(self) -> dict:
         # Said, so that every pickle protocol takes it (0 and 1 need it for a class with slots).
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in _RESULT_DEFAULTS}
 
     def __setstate__(self, state: object) -> None:
         # Also what earlier versions pickled, (None, {slot: value}), without the fields added since.
         if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
             state = state[1]
-        if not isinstance(state, dict) or not set(state) <= set(self.__slots__) or "step" not in state:
-            raise InvalidArgumentError(f"a pickled StepResults holds {list(self.__slots__)}, not {state!r:.200}")
-        for name in self.__slots__:
-            object.__setattr__(self, name, state.get(name, _RESULT_DEFAULTS.get(name)))
+        if not isinstance(state, dict) or not set(state) <= set(_RESULT_DEFAULTS) or "step" not in state:
+            raise InvalidArgumentError(f"a pickled StepResults holds {list(_RESULT_DEFAULTS)}, not {state!r:.200}")
+        for name, default in _RESULT_DEFAULTS.items():
+            object.__setattr__(self, name, state.get(name, default))
 
 
-#: What a field of :class:`StepResults` missing from a pickle holds.
-_RESULT_DEFAULTS = {f.name: f.default for f in fields(StepResults)}
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """Each field of a dataclass and its default: what a field missing from a pickle holds (required fields
+    are checked present first)."""
+    return {f.name: f.default for f in fields(cls)}
+
+
+_STEP_DEFAULTS = _field_defaults(WorkerStep)
+_RESULT_DEFAULTS = _field_defaults(StepResults)
 
 
 def _check_request_id(request_id: Any) -> str:

@@ -1300,10 +1300,10 @@ def format_table(result: dict[str, Any], wall_s: float | None = None) -> str:
     ]
     for mode, det in result["modes"].items():
         hot = ""
-        if mode.startswith("hisparse") and det["hot_rows"] is None:
-            hot = ", hot rows sized per concurrency (--adaptive-hot-rows: each point's hot_rows in --json)"
-        elif mode.startswith("hisparse"):
-            hot = (f", hot rows {det['hot_rows']:,} (core region {det['core_hot_blocks']} blocks incl. indexer "
+        if mode.startswith("hisparse"):
+            hot = (", hot rows sized per concurrency (--adaptive-hot-rows: each point's hot_rows in --json)"
+                   if det["hot_rows"] is None else
+                   f", hot rows {det['hot_rows']:,} (core region {det['core_hot_blocks']} blocks incl. indexer "
                    f"keys of {det['indexer_charge_tokens']:,} tokens)")
         gib = f"{det['host_gib']:g} GiB" if det["host_gib"] is not None else "host pool"
         lines.append(f"  {mode}: {gib} = {det['host_blocks']:,} host blocks{hot}")
