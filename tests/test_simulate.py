@@ -163,8 +163,9 @@ def test_cli_table_and_bad_arguments(capsys):
 
 @pytest.mark.parametrize(("mode", "least"), [("offload", 4.33), ("hisparse", 1.65)])
 def test_a_pool_that_can_never_run_a_step_is_refused_with_the_size_that_can(mode, least):
-    """Offload keeps a request whole on the GPU (the last turn: 1,345 blocks), and no mode shrinks a prefill chunk
-    (32,768 tokens: 512 blocks): with less, a point would loop without progress. The size the error names runs."""
+    """Offload keeps a request whole on the GPU (the last turn: 1,345 blocks), and hisparse must hold a prefill
+    chunk (32,768 tokens: 512 blocks): with less, a point would loop without progress. The size the error names
+    passes the check; whether a point at it runs depends on its workload (the next test)."""
     with pytest.raises(ConfigError, match=rf"use --kv-hbm-gib {least} or more"):
         derive(SimConfig(mode=mode, policy="fifo", kv_hbm_gib=least - 0.01))
     derive(SimConfig(mode=mode, policy="fifo", kv_hbm_gib=least))
@@ -173,14 +174,28 @@ def test_a_pool_that_can_never_run_a_step_is_refused_with_the_size_that_can(mode
 
 
 def test_a_point_that_stops_making_progress_ends_with_its_cause():
-    """3 GiB runs a step of hisparse, but each next chunk finds the last one's pages still on their way to the
-    host, and the preemption throws the step away: the clock runs, no token comes. The point ends in a few ms
-    with the size that needs no release."""
-    cfg = SimConfig(mode="hisparse", policy="fifo", kv_hbm_gib=3.0, concurrency=1)
+    """1.65 GiB holds one prefill chunk and nothing more: its pages fill the pool before their copies to the host
+    can start (the next plan), so no page can ever be released, and each preemption throws the chunk away: the
+    clock runs, no token comes. The point ends in a few ms with the size that needs no release."""
+    cfg = SimConfig(mode="hisparse", policy="fifo", kv_hbm_gib=1.65, concurrency=1)
     with pytest.raises(CapacityError, match=r"no request computed a new token .* use --kv-hbm-gib 4\.33 or more"):
         Simulation(cfg).run()
     derive(dataclasses.replace(cfg, kv_hbm_gib=4.33))
     assert Simulation(dataclasses.replace(cfg, kv_hbm_gib=4.33, duration_s=60.0)).run()["output_tok_s"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fifo", "coldest"])
+def test_a_lone_request_longer_than_the_pool_runs_without_preemption(policy):
+    """3 GiB (933 blocks) holds one 32,768-token chunk of a 74K-token first turn, not two: the second finds the
+    first's pages not yet on their way to the host (the core copies a step's pages in the next plan). vLLM's rule,
+    preempting the newest request, threw the step away every time (the point ended without a token); the lone
+    prefill halves its chunk instead, and the conversation goes on, each turn longer than the pool, with no
+    preemption."""
+    result = Simulation(SimConfig(mode="hisparse", policy=policy, kv_hbm_gib=3.0, concurrency=1,
+                                  duration_s=30.0)).run()
+    assert derive(SimConfig(mode="hisparse", kv_hbm_gib=3.0)).num_gpu_blocks * 64 < 74_160
+    assert result["preemptions"] == 0
+    assert result["output_tok_s"] > 0
 
 
 def test_a_point_whose_clock_stops_ends_with_its_cause(monkeypatch):

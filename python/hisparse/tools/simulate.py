@@ -62,10 +62,14 @@ request was preempted since the last turn ended. As vLLM 0.33 (``scheduler_reser
 waiting request is admitted only when the GPU blocks of its whole sequence are free beside what the step already
 takes; HiSparse caps that at one admission window of ``max_num_batched_tokens`` (``HiSparseResidentSpec``).
 A short plan preempts the newest running request (a request admitted in the same step and never run is simply
-put back, not counted as a preemption) until the plan fits. MTP: each decode step emits 1 + accepted drafts
-tokens, drafts accepted in a chain with the probability that gives the measured mean accept length 3.48; the KV
-grows by the tokens emitted. A GPU pool
-that cannot hold one prefill chunk (offload: one whole request) is refused before the run; a point in which no
+put back, not counted as a preemption) until the plan fits, but for the step's only request when it is the
+newest and a prefill: it halves its chunk instead, down to a page, as the reference engine's does. The core
+copies the pages a step sealed to the host in the next plan, a step after vLLM's HiSparse, which copies them
+after the forward that wrote them, so a prompt longer than the GPU pool can free room for its next chunk only
+once the last one's copies are under way; preempted, it would lose that chunk each time and never get past it. MTP: each
+decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the probability that gives the
+measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool that cannot hold one prefill
+chunk (offload: one whole request) is refused before the run; a point in which no
 request computes a new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
 
 Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
@@ -359,8 +363,9 @@ class PoolTooSmall(ConfigError):
 
 
 def _check_pool(cfg: SimConfig, gpu_blocks: int, gpu_block_bytes: int, kv_gib: float | None) -> None:
-    """Refuses a GPU pool that can never run a step: the scheduler does not shrink a prefill chunk, and offload
-    keeps a request whole on the GPU (core policy ``resident``). With less, a point would loop without progress."""
+    """Refuses a GPU pool that can never run a step: a prefill chunk that fills the pool leaves no room to run
+    until its pages' copies to the host start (in the next plan), and offload keeps a request whole on the GPU
+    (core policy ``resident``). With less, a point would loop without progress."""
     tokens = min(cfg.max_batched_tokens, cfg.max_prompt())
     what = f"a prefill chunk of {tokens:,} tokens"
     if cfg.mode == "offload":
@@ -889,6 +894,12 @@ class Simulation:
             plan = m.plan_step([(r.rid, n) for r, n in sched])
             while not plan.ok:
                 short = plan.missing_blocks
+                lone, chunk = sched[0]
+                if len(sched) == 1 and running[-1] is lone and lone.in_prefill and chunk > bt:
+                    # Preempting the step's only request would leave nothing to run (module docstring).
+                    sched = [(lone, max(bt, chunk // 2))]
+                    plan = m.plan_step([(lone.rid, sched[0][1])])
+                    continue
                 # vLLM: preempt the newest running request until the step fits; one admitted this step that
                 # never ran is just put back.
                 victim = running.pop()
