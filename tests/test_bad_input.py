@@ -273,7 +273,7 @@ def battery(d: Driver) -> dict[str, list[tuple[str, Callable[[], object]]]]:
         ("bool topk", lambda: worker.resolve(topk > 0, row)),
         ("1-D topk", lambda: worker.resolve(topk[0], row)),
         ("row 6", lambda: worker.resolve(topk, torch.tensor([6]))),
-        ("row -2", lambda: worker.resolve(topk, torch.tensor([-2]))),
+        ("row 2**64 - 1", lambda: worker.resolve(topk, torch.tensor([2**64 - 1], dtype=torch.uint64))),
         ("row 2**32", lambda: worker.resolve(topk, torch.tensor([2**32]))),
         ("float rows", lambda: worker.resolve(topk, row.float())),
         ("rows of two", lambda: worker.resolve(topk, torch.tensor([0, 1], dtype=torch.int32))),

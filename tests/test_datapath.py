@@ -460,3 +460,29 @@ def test_apply_checks_again_after_a_tensor_is_replaced():
     dp.gpu = gpu
     dp.apply(make_plan())
     assert_unchanged(dp, before)
+
+
+def test_an_adopted_slabs_layers_cannot_be_swapped_one_at_a_time():
+    """Checks made once hold until the slab is replaced whole: its layers are a tuple, so a layer swapped in
+    place (which apply's restores would miss, writing the old tensor) is refused at the assignment."""
+    dp = filled(gpu=[torch.zeros(ROWS, LAYOUT.row_bytes, dtype=torch.uint8) for _ in range(LAYOUT.num_layers)],
+                host=torch.zeros(LAYOUT.num_layers, LAYOUT.num_host_blocks * LAYOUT.block_size, LAYOUT.row_bytes,
+                                 dtype=torch.uint8))
+    assert isinstance(dp.gpu, tuple)
+    with pytest.raises(TypeError):
+        dp.gpu[1] = torch.zeros(ROWS, LAYOUT.row_bytes, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="gpu must be a tensor or a list"):
+        dp.gpu = 3
+
+
+def test_uint64_values_beyond_int64_are_refused_not_wrapped_to_padding():
+    """A uint64 pair past int64 would wrap to a negative entry, which copies skip as padding; positions would
+    fail their range check with a value never given. Both are refused; values within range work."""
+    dp = filled()
+    before = snapshot(dp)
+    for pairs in ([[8, 2**63 + 3]], [[2**64 - 1, 5]]):
+        with pytest.raises(InvalidArgumentError, match="pairs holds a value beyond the int64 range"):
+            dp.mirror(torch.tensor(pairs, dtype=torch.uint64))
+    assert_unchanged(dp, before)
+    dp.mirror(torch.tensor([[8, 5]], dtype=torch.uint64))
+    assert torch.equal(dp.host[:, 5], dp.gpu[:, 8])

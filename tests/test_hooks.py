@@ -1,12 +1,13 @@
 """The engine hooks: string ids, the per-step call order (refused clearly when wrong), and a byte-checked loop."""
 
+import dataclasses
 import itertools
 import pickle
 
 import pytest
 import torch
 
-from hisparse import CapacityError, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError, _core
+from hisparse import CapacityError, DataPath, HiSparseError, InvalidArgumentError, Layout, UnknownRequestError, _core
 from hisparse.heat import HeatOptions
 from hisparse.hooks import CallOrderError, SchedulerHooks, StepGapError, StepResults, WorkerHooks, WorkerStep
 
@@ -242,6 +243,50 @@ def test_results_and_steps_stay_with_the_scheduler_that_planned_them():
     assert b.capacity()["pending_transfers"] == 0
 
 
+def test_the_lost_steps_results_arriving_after_a_resync_are_refused():
+    # The worker dies with a step's copies in flight; its results of that step come late, after the resync that
+    # redoes the step with the copies started again under new ids. Taken, they would stand for the resync's:
+    # the new copies never reported, their pages copying for good.
+    sched, worker = pair()
+    sched.admit("r", 40)
+    run_step(sched, worker, [("r", 40)])
+    lost = sched.plan_step([("r", 1)])
+    worker.apply(lost)
+    late = dataclasses.replace(worker.end_step(), completed=())  # its copies not done when it ended the step
+    resync = sched.resync_worker()
+    assert resync.step == lost.step + 1 and set(resync.plan.transfer_ids).isdisjoint(lost.plan.transfer_ids)
+    rebuilt = WorkerHooks(DataPath(worker.dp.layout, gpu=worker.dp.gpu, host=worker.dp.host))
+    rebuilt.apply(resync)
+    with pytest.raises(CallOrderError, match=f"results of step {lost.step}; step {resync.step} is waiting"):
+        sched.apply_results(late)
+    sched.apply_results(rebuilt.end_step())
+    run_step(sched, rebuilt, [("r", 1)])
+    assert sched.capacity()["pending_transfers"] == 0
+
+
+def test_positions_of_any_integer_type_and_negative_rows_as_the_spec_has_them():
+    """uint64 positions are positions (torch has no min/max of uint64 on CPU: they were a raw error), and a
+    negative state row is a padding row, as cuda/SPEC.md and DataPath.resolve have it; a row past the last is
+    refused."""
+    sched, worker = pair()
+    sched.admit("a", 20)
+    run_step(sched, worker, [("a", 20)])
+    step = sched.plan_step([("a", 1)])
+    worker.apply(step)
+    pos = torch.tensor([20], dtype=torch.uint64)
+    assert worker.token_rows("a", pos).tolist() == worker.token_rows("a", torch.tensor([20])).tolist()
+    for layer in range(LAYOUT.num_layers):
+        worker.write("a", pos, layer, content("a", pos.to(torch.int64), layer))
+    topk = torch.tensor([[3, 20], [3, 20]], dtype=torch.int32)
+    row = sched.request_info("a")["row"]
+    got = worker.resolve(topk, torch.tensor([row, -2], dtype=torch.int32))
+    assert got[1].tolist() == [-1, -1] and (got[0] >= 0).all()
+    assert worker.resident(torch.tensor([-5, row]), topk).tolist() == [[False, False], [True, True]]
+    with pytest.raises(InvalidArgumentError, match=f"rows must be state rows below {LAYOUT.max_running}"):
+        worker.resolve(topk, torch.tensor([row, LAYOUT.max_running]))
+    sched.apply_results(worker.end_step())
+
+
 def test_ids_of_a_string_subclass_reach_the_worker_as_strings():
     class Name(str):
         pass
@@ -372,4 +417,4 @@ def test_a_step_pickles_with_its_checks():
     assert (again.step, again.plan, again.request_ids, again.resync) == (step.step, step.plan, ("a",), False)
     assert WorkerStep(step.step, step.plan.to_bytes(), ["a"]).plan == step.plan
     resync = pickle.loads(pickle.dumps(sched.resync_worker()))
-    assert resync.resync and resync.step == step.step and resync.request_ids == ("a",)
+    assert resync.resync and resync.step == step.step + 1 and resync.request_ids == ("a",)  # redoes step 1

@@ -196,11 +196,21 @@ def _positions(positions: object, low: int, end: int, device: torch.device) -> t
     t = positions if isinstance(positions, torch.Tensor) else _as_int64(positions, "positions")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 1:
         raise InvalidArgumentError(f"positions must be a 1-D integer tensor, not {_describe(t)}")
+    t = _int64(t, "positions")
     if t.numel():
         lo, hi = t.aminmax()
         if int(lo) < low or int(hi) >= end:
             raise InvalidArgumentError(f"positions must be in {low}..{end - 1} (got {int(lo)}..{int(hi)})")
-    return _to_device(t.to(torch.int64), device)
+    return _to_device(t, device)
+
+
+def _int64(t: torch.Tensor, name: str) -> torch.Tensor:
+    """An integer tensor as int64, where it is, refusing a uint64 value beyond int64's range: the cast would wrap
+    it to a negative number, which reads as padding or fails a range check with a value never given. A uint64
+    tensor on a device is read back to be checked (a wait)."""
+    if t.dtype == torch.uint64 and t.numel() and bool((t.view(torch.int64) < 0).any()):
+        raise InvalidArgumentError(f"{name} holds a value beyond the int64 range")
+    return t.to(torch.int64)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -249,7 +259,7 @@ def _pairs(pairs: object, name: str, limits: tuple[int, int], distinct: int | No
         return torch.zeros(0, 2, dtype=torch.int64)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 2 or t.shape[1] != 2:
         raise InvalidArgumentError(f"{name} must be [n, 2] integer pairs, not {_describe(t)}")
-    t = t.to(device="cpu", dtype=torch.int64)
+    t = _int64(t.cpu(), name)
     for c, end in enumerate(limits):
         if int(t[:, c].max()) >= end:
             raise InvalidArgumentError(f"{name} column {c} must be below {end}, got {int(t[:, c].max())}")
@@ -431,7 +441,7 @@ class DataPath:
         s, p, g, h = lay.max_running, lay.max_pages, lay.num_groups, lay.hot_rows
         i32 = dict(dtype=torch.int32, device=dev)
         if gpu is not None:
-            self.gpu = gpu if isinstance(gpu, torch.Tensor) else list(gpu)
+            self.gpu = gpu
             self.host = host
         else:
             self.gpu = torch.zeros(lay.num_layers, lay.num_gpu_blocks * lay.block_size, lay.row_bytes,
@@ -561,6 +571,18 @@ class DataPath:
         self._copy(section("restores", 2), lay.block_size, to_host=False)
         self._copy(section("materialize", 2), lay.block_size, to_host=True)
         return None
+
+    @property
+    def gpu(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The slab: one tensor, or a tuple of one per layer. Replaced whole (``dp.gpu = [...]``), it is checked
+        again at the next use; a tuple, so that no layer can be swapped unseen in place."""
+        return self._gpu
+
+    @gpu.setter
+    def gpu(self, slab: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        if not isinstance(slab, (torch.Tensor, list, tuple)):
+            raise InvalidArgumentError(f"gpu must be a tensor or a list of layer tensors, not {type(slab).__name__}")
+        self._gpu = slab if isinstance(slab, torch.Tensor) else tuple(slab)
 
     def _page_mover(self):
         """The page mover (side streams) of this slab and pool (built again if either was replaced)."""

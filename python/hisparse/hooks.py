@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from ._core import Admission, ResidencyManager, StepPlan
-from .datapath import DataPath, Layout, _bounded_list, _to_device
+from .datapath import DataPath, Layout, _bounded_list, _int64, _to_device
 from .errors import InvalidArgumentError, UnknownRequestError
 from .heat import HeatOptions, HeatSummaryInFlight
 
@@ -396,15 +396,15 @@ class SchedulerHooks:
         Its plan clears every row and sets each running request's length, table and (empty) hot region
         again; copies to the host still in flight count as failed and start again under new ids (reports of
         the old ids are refused from now on). Nothing is lost: blocks, pages and host copies stay as they are.
-        If the worker's results of the last step never came back, this step replaces that step (same number)
-        with its restores and scheduled requests again: run their forward again. Otherwise it is a new step
-        that schedules nothing. Either way the worker ends it and its results go to :meth:`apply_results`.
+        If the worker's results of the last step never came back, this step replaces that step with its
+        restores and scheduled requests again: run their forward again. Otherwise it schedules nothing. Either
+        way it is a new step, numbered after the last, whose results the worker ends it with and hands to
+        :meth:`apply_results`: the lost step's results, should the dead worker's still arrive, are refused (they
+        report its copies under the ids this step has replaced, and would take the place of this step's).
         """
-        redo = self._outstanding is not None
-        plan = self.manager.resync(redo)
-        if not redo:
-            self._steps += 1
-            self._outstanding = self._steps
+        plan = self.manager.resync(self._outstanding is not None)
+        self._steps += 1
+        self._outstanding = self._steps
         self._metrics["resyncs"] += 1
         names = self._names
         return WorkerStep._of_plan(self._outstanding, plan, tuple([names[s[0]] for s in plan.scheduled]),
@@ -665,21 +665,19 @@ class WorkerHooks:
         self.dp.gpu[layer][dest] = rows.to(self.device)
 
     def _row_state(self, rows: torch.Tensor | Sequence[str | None]) -> torch.Tensor:
-        """int32 state rows for the kernels. On CPU a row outside -1..S-1 is refused; on CUDA, where checking
-        would wait for the device, it becomes a padding row (-1): it reads nothing and touches no state."""
+        """int32 state rows for the kernels, a negative row a padding row (-1: it reads nothing and touches no
+        state), as ``cuda/SPEC.md`` and ``DataPath.resolve`` have it. A row past the last (S or more) is refused
+        on CPU; on CUDA, where checking would wait for the device, it becomes a padding row too."""
         if not isinstance(rows, torch.Tensor):
             return self.rows(list(rows))
         if rows.dtype.is_floating_point or rows.dtype in (torch.bool, torch.complex64, torch.complex128) or \
                 rows.dim() != 1:
             raise InvalidArgumentError(f"rows must be a 1-D integer tensor, not {rows.dtype} {list(rows.shape)}")
         s = self.layout.max_running
-        rows = _to_device(rows.to(torch.int64), self.device)
-        if self.device.type == "cpu":
-            if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= s):
-                raise InvalidArgumentError(f"rows must be state rows in -1..{s - 1}")
-            return rows.to(torch.int32).contiguous()
-        bad = (rows < -1) | (rows >= s)
-        return torch.where(bad, -1, rows).to(torch.int32).contiguous()
+        rows = _to_device(_int64(rows, "rows") if rows.device.type == "cpu" else rows.to(torch.int64), self.device)
+        if self.device.type == "cpu" and rows.numel() and int(rows.max()) >= s:
+            raise InvalidArgumentError(f"rows must be state rows below {s} (negative: padding), got {int(rows.max())}")
+        return torch.where((rows < 0) | (rows >= s), -1, rows).to(torch.int32).contiguous()
 
     @staticmethod
     def _positions(topk: torch.Tensor) -> torch.Tensor:
