@@ -38,7 +38,7 @@ def test_a_host_pool_size_out_of_range_is_a_config_error(gib):
 
 
 def test_config_errors_say_what_to_raise():
-    with pytest.raises(ConfigError, match="raise host_pool_gib to at least"):
+    with pytest.raises(ConfigError, match=r"raise it \(num_host_blocks or host_pool_gib\) to at least 32 blocks"):
         manager(num_host_blocks=8)
     with pytest.raises(ConfigError, match="policy"):
         manager(policy="random")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hisparse import ConfigError
+from hisparse import ConfigError, InvalidArgumentError
 from hisparse.engine import Engine, EngineConfig, ModelConfig, RequestSpec, TinyDSA, make_workload, prefix_hashes
 from hisparse.engine import demo as demo_mod
 from hisparse.engine.model import digest
@@ -162,6 +162,44 @@ def test_bad_configs_raise():
         EngineConfig(mode="swap")
     with pytest.raises(ConfigError, match="multiple of 8"):
         ModelConfig(latent=30, rope=4)
+    # 0 tokens a step scheduled nothing, forever; 0 hot rows or host blocks read as "the default".
+    for field, bad in [("max_batched_tokens", 0), ("block_size", 0), ("max_running", 0), ("hot_rows", 0),
+                       ("num_host_blocks", 0), ("num_gpu_blocks", 2.5)]:
+        with pytest.raises(ConfigError, match=f"{field} must be a positive integer"):
+            EngineConfig(**{field: bad})
+
+
+def test_bad_requests_are_refused_before_the_run(model):
+    prompt = tuple(range(20))
+    for specs, message in [
+        ([RequestSpec("a", prompt, 2), RequestSpec("a", prompt, 2)], "distinct"),
+        ([RequestSpec("a", (1, MODEL.vocab), 2)], "prompt tokens"),
+        ([RequestSpec("a", (1, -1), 2)], "prompt tokens"),
+        ([RequestSpec("a", prompt, 1.5)], "max_new_tokens"),
+        ([RequestSpec("a", prompt, 2, arrival=None)], "arrival"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            engine(model, "hisparse", 64).run(specs)
+    e = engine(model, "hisparse", 64)
+    e.run([RequestSpec("a", prompt, 2)])
+    for rid in ("a", "nobody"):  # finished, unknown
+        with pytest.raises(InvalidArgumentError, match="is not running"):
+            e.preempt(rid)
+
+
+@pytest.mark.parametrize(("blocks", "prompt_len"), [(5, 65), (5, 200), (6, 200)])
+def test_a_lone_prompt_whose_chunk_fills_the_pool_starts_its_copies_and_runs(blocks, prompt_len):
+    """The smallest pool the engine takes (the null block, two tail pages, a hot region of one block, no
+    watermark) and a prompt longer than it: the chunk that fills the pool leaves its pages unreleasable until
+    their host copies start, which the core plans in the next plan. That plan was short, and the request, alone,
+    could not be preempted for room: the run ended in CapacityError (a review's reproducer), where a pool one
+    block larger ran. A step that schedules nothing starts the copies; the outputs are plain residency's."""
+    small = TinyDSA(ModelConfig(top_k=4, max_model_len=prompt_len + 1, layers=1))
+    specs = [RequestSpec("a", tuple((31 * i) % 256 for i in range(prompt_len)), 1)]
+    result = Engine(small, EngineConfig(mode="hisparse", num_gpu_blocks=blocks, block_size=16, hot_rows=4,
+                                        num_host_blocks=100)).run(specs)
+    plain = Engine(small, EngineConfig(mode="resident", num_gpu_blocks=prompt_len, block_size=16)).run(specs)
+    assert result.preemptions == 0 and result.compare(plain) == []
 
 
 def test_demo_small(tmp_path, capsys):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..datapath import Layout
-from ..errors import CapacityError, ConfigError, InvariantError
+from ..errors import CapacityError, ConfigError, InvalidArgumentError, InvariantError
 from ..hooks import ScheduledRequest, SchedulerHooks, WorkerHooks, WorkerStep
 from .model import TinyDSA, digest
 
@@ -70,6 +70,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        for name in ("num_gpu_blocks", "block_size", "max_running", "max_batched_tokens"):
+            _positive(name, getattr(self, name))
+        for name in ("num_host_blocks", "hot_rows"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -187,8 +197,10 @@ class Engine:
         if torch.device(c.device).type != model.device.type:
             raise ConfigError(f"the model is on {model.device}, the engine on {c.device}: use one device")
         self.model, self.config = model, c
-        self.hot_rows = c.hot_rows or 4 * m.top_k
-        host = c.num_host_blocks or 2 * c.max_running * math.ceil(m.max_model_len / c.block_size)
+        self.hot_rows = 4 * m.top_k if c.hot_rows is None else c.hot_rows
+        host = c.num_host_blocks
+        if host is None:
+            host = 2 * c.max_running * math.ceil(m.max_model_len / c.block_size)
         watermark = c.watermark
         if watermark is None and c.mode != "hisparse":
             watermark = max(1, c.num_gpu_blocks // 100)  # nothing to release: no hot-region-sized reserve
@@ -222,10 +234,8 @@ class Engine:
         ``progress(engine)`` after each step. An engine serves one run."""
         if self.requests:
             raise ConfigError("an Engine serves one run: build a new one")
-        m = self.model.cfg
         for s in specs:
-            if s.max_len > m.max_model_len or not s.prompt or s.max_new_tokens < 1:
-                raise ConfigError(f"request {s.request_id}: need a prompt, new tokens, and max_len <= max_model_len")
+            self._check_spec(s)
             self.requests[s.request_id] = _Request(s, self.model, self.config.record_outputs)
         future = sorted(self.requests.values(), key=lambda r: r.spec.arrival)
         running_samples: list[int] = []
@@ -286,6 +296,19 @@ class Engine:
             metrics={**self.sched.metrics(), "resolve_calls": self.resolves["calls"],
                      "split_resolves": self.resolves["split_groups"]},
         )
+
+    def _check_spec(self, s: RequestSpec) -> None:
+        m = self.model.cfg
+        if not isinstance(s, RequestSpec):
+            raise ConfigError(f"requests must be RequestSpecs, not {type(s).__name__}")
+        if not isinstance(s.request_id, str) or s.request_id in self.requests:
+            raise ConfigError(f"request ids must be distinct strings: {s.request_id!r} is not")
+        if not all(type(t) is int and 0 <= t < m.vocab for t in s.prompt):
+            raise ConfigError(f"request {s.request_id}: prompt tokens must be integers in 0..{m.vocab - 1}")
+        if type(s.max_new_tokens) is not int or type(s.arrival) is not int or s.arrival < 0:
+            raise ConfigError(f"request {s.request_id}: max_new_tokens and arrival must be integers, arrival >= 0")
+        if s.max_len > m.max_model_len or not s.prompt or s.max_new_tokens < 1:
+            raise ConfigError(f"request {s.request_id}: need a prompt, new tokens, and max_len <= max_model_len")
 
     @property
     def done(self) -> int:
@@ -367,9 +390,9 @@ class Engine:
 
     def _plan(self) -> tuple[WorkerStep | None, list[tuple[_Request, int]]]:
         """Plans a step; when it does not fit: prefill chunks shrink (down to one page), then prefill waits for
-        the decodes, then the newest request is preempted. Shrinking first keeps a request admitted into a full
-        pool prefilling a page at a time beside the decodes, where waiting would leave it stalled until they
-        end."""
+        the decodes, then the newest request is preempted, or, running alone, starts its pages' host copies
+        (``_copy_written_pages``). Shrinking first keeps a request admitted into a full pool prefilling a page
+        at a time beside the decodes, where waiting would leave it stalled until they end."""
         prefill, max_chunk = True, self.config.max_batched_tokens
         shrunk = False
         while True:
@@ -391,13 +414,27 @@ class Engine:
             elif len(self.running) > 1:
                 self.preempt(self.running[-1].id)
                 prefill, max_chunk = True, self.config.max_batched_tokens
+            elif self._copy_written_pages():
+                prefill, max_chunk = True, self.config.max_batched_tokens
             else:
                 raise CapacityError(f"one request cannot run a single step ({step.missing_blocks} blocks missing): "
                                     f"{self.sched.capacity_log()}")
 
+    def _copy_written_pages(self) -> bool:
+        """Runs a step that schedules nothing: its plan starts the host copies of the pages the last step
+        completed (the core plans a step's copies in the next plan, which a short plan is not). A lone request
+        whose last chunk filled the pool can release those pages once they are on the host, where preempting
+        it would only throw them away. False when no copy is started or still under way: nothing to wait for."""
+        step = self.sched.plan_step([])
+        self.worker.apply(step)
+        self.sched.apply_results(self.worker.end_step(flush=True))
+        return bool(step.plan.transfer_ids) or self.sched.capacity()["pending_transfers"] > 0
+
     def preempt(self, request_id: str) -> None:
         """Preempts a running request: dropped and recomputed later (``resident``), or kept on the host."""
-        r = self.requests[request_id]
+        r = self.requests.get(request_id)
+        if r is None or r.status != "running":
+            raise InvalidArgumentError(f"request {request_id!r} is not running")
         residency = self.sched.request_info(r.id)["residency"]
         self.running.remove(r)
         if self.config.mode == "resident":

@@ -187,15 +187,19 @@ impl Config {
             ));
         }
         if self.num_host_blocks < self.max_pages() {
-            let gib = |blocks: u64| blocks as f64 * self.page_bytes as f64 / (1u64 << 30) as f64;
+            let size = |blocks: u32| match self.page_bytes {
+                0 => format!("{blocks} blocks"),
+                bytes => format!(
+                    "{blocks} blocks, {} GiB",
+                    gib_text(blocks as f64 * bytes as f64 / (1u64 << 30) as f64)
+                ),
+            };
             return bad(format!(
-                "the host pool ({} blocks, {:.2} GiB) cannot hold one request at max_model_len {} ({} blocks); \
-                 raise host_pool_gib to at least {:.2} GiB or lower max_model_len",
-                self.num_host_blocks,
-                gib(self.num_host_blocks as u64),
+                "the host pool ({}) cannot hold one request at max_model_len {}; raise it (num_host_blocks or \
+                 host_pool_gib) to at least {} or lower max_model_len",
+                size(self.num_host_blocks),
                 self.max_model_len,
-                self.max_pages(),
-                gib(self.max_pages() as u64)
+                size(self.max_pages())
             ));
         }
         if self.max_pages() > i32::MAX as u32 / self.block_size.max(1)
@@ -346,5 +350,14 @@ pub(crate) fn test_config(num_gpu_blocks: u32, num_host_blocks: u32) -> Config {
         materialize_budget: 64,
         page_bytes: 4096,
         admission_pages: 0,
+    }
+}
+
+/// GiB with two decimals, or two significant digits below 0.01 (a test-sized pool is not "0.00 GiB").
+fn gib_text(gib: f64) -> String {
+    if gib >= 0.01 || gib == 0.0 {
+        format!("{gib:.2}")
+    } else {
+        format!("{gib:.1e}")
     }
 }

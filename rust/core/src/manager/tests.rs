@@ -339,7 +339,7 @@ fn decode(m: &mut ResidencyManager, ids: &[u64], tokens: u32, steps: usize) -> V
 fn config_refuses_a_host_pool_smaller_than_one_request() {
     let err = ResidencyManager::new(test_config(24, 15)).err().unwrap();
     let CoreError::Config(msg) = err else { panic!("{err:?}") };
-    assert!(msg.contains("raise host_pool_gib"), "{msg}");
+    assert!(msg.contains("host_pool_gib) to at least 16 blocks"), "{msg}");
 }
 
 #[test]
