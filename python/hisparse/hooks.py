@@ -114,7 +114,7 @@ class WorkerStep:
     """What the scheduler hands the worker for one step: the plan, and the engine's name of each request
     the plan schedules (``request_ids[i]`` is ``plan.scheduled[i]``).
 
-    ``step`` counts good plans from 1; a short plan (``ok`` False) has step 0 and must not be applied.
+    ``step`` counts good plans and resyncs from 1; a short plan (``ok`` False) has step 0 and must not be applied.
     ``resync``: the plan of :meth:`SchedulerHooks.resync_worker`, which a worker applies whatever it applied
     before. ``plan`` may also be given as its bytes (``StepPlan.to_bytes``); it is decoded and checked.
     ``scheduler``: the identity of the :class:`SchedulerHooks` that planned it (0: not said, not checked),
