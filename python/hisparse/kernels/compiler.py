@@ -15,6 +15,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -33,6 +34,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
 HEADERS = ("common.cuh",)
 # -default-device: NVRTC takes the kernels' generic lambdas (auto parameters) for host code without it.
 OPTIONS = ("-std=c++17", "-default-device")
+
+
+logger = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -78,7 +82,7 @@ def kernel_sources() -> dict[str, bytes]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HISPARSE_CACHE_DIR", "~/.cache/hisparse")).expanduser() / "kernels"
+    return Path(os.environ.get("HISPARSE_CACHE_DIR") or "~/.cache/hisparse").expanduser() / "kernels"
 
 
 def _check(result: tuple, what: str, prog=None) -> tuple:
@@ -107,10 +111,13 @@ def select_arch(capability: tuple[int, int], driver_version: int) -> str:
     ``driver_version`` is cuDriverGetVersion's number (13000 for 13.0). A cubin is preferred: it holds
     machine code, which a driver older than NVRTC still loads, whereas PTX from a newer NVRTC may carry a
     PTX ISA version the driver cannot compile. A cubin built for sm_XY also runs on sm_XZ with Z > Y.
-    PTX is the last resort, for a device newer than this NVRTC.
+    PTX is the last resort, for a device newer than this NVRTC. Devices before 8.0 are refused: the kernels
+    and their launch limits (``launch.SHARED_MEMORY_PER_BLOCK``) are written for sm_80 and newer.
     """
     major, minor = capability
     cc = major * 10 + minor
+    if cc < 80:
+        raise CompileError(f"compute capability {major}.{minor}: hisparse's kernels need 8.0 or newer")
     archs = supported_archs()
     if cc in archs:
         return f"sm_{cc}"
@@ -137,21 +144,26 @@ def _program_log(prog) -> str:
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_FRAME = re.compile(r"Function properties for (\w+)\s*\n[^\n]*?"
+                    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SHARED = re.compile(r"(\d+) bytes smem")
 
 
 def parse_resources(log: str) -> dict[str, KernelResources]:
-    """Per-kernel figures from a ptxas ``-v`` log."""
-    out = {}
+    """Per-kernel figures from a ptxas ``-v`` log. ptxas reports a ``__noinline__`` device function's frame
+    apart, naming no caller: its stack and spills count against every kernel of the module (what the spill
+    guard must see, and no kernel spills more than that)."""
+    frames = {name: tuple(int(x) for x in rest) for name, *rest in _FRAME.findall(log)}
     sections = _ENTRY.split(log)  # [preamble, name1, body1, name2, body2, ...]
-    for name, body in zip(sections[1::2], sections[2::2], strict=True):
-        frame = _FRAME.search(body)
+    entries = sections[1::2]
+    callees = [frame for name, frame in frames.items() if name not in entries]
+    out = {}
+    for name, body in zip(entries, sections[2::2], strict=True):
         registers = _REGISTERS.search(body)
-        if frame is None or registers is None:
+        if name not in frames or registers is None:
             raise CompileError(f"no ptxas resource line for {name} in the log:\n{log}")
-        stack, stores, loads = (int(x) for x in frame.groups())
+        stack, stores, loads = (sum(values) for values in zip(frames[name], *callees, strict=True))
         shared = _SHARED.search(body)  # absent when the kernel has no static shared memory
         smem = int(shared.group(1)) if shared else 0
         out[name] = KernelResources(int(registers.group(1)), stores, loads, stack, smem)
@@ -186,10 +198,58 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it has the entry's name: a crash leaves no torn entry
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+#: A cache entry: this line, the SHA-256 of the rest, the log's length (8 bytes), the log, the image.
+_ENTRY_MAGIC = b"hisparse kernel cache entry 1\n"
+
+
+def _pack_entry(image: bytes, log: str) -> bytes:
+    body = len(log.encode()).to_bytes(8, "little") + log.encode() + image
+    return _ENTRY_MAGIC + hashlib.sha256(body).digest() + body
+
+
+def _read_entry(path: Path) -> tuple[bytes, str] | None:
+    """The image and log the entry at ``path`` holds, or None when there is none whole: absent, truncated,
+    corrupted, or written by an earlier version (then it is built again)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    head = len(_ENTRY_MAGIC) + 32
+    body = data[head:]
+    if not data.startswith(_ENTRY_MAGIC) or len(body) < 8 or hashlib.sha256(body).digest() != data[head - 32:head]:
+        return None
+    n = int.from_bytes(body[:8], "little")
+    return body[8 + n:], body[8:8 + n].decode(errors="replace")
+
+
+def _cached(folder: Path, name: str, build) -> tuple[bytes, str]:
+    """``build()``'s (image, log), kept in ``folder`` under ``name``. A lock file keeps concurrent processes
+    from building one entry twice; an entry that is not whole is built again. A folder that cannot be used
+    (read-only, not a folder) costs a compile per process, not the kernels: they are built in memory."""
+    built = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        entry = _read_entry(path)
+        if entry is None:
+            with open(folder / f"{name}.lock", "wb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                entry = _read_entry(path)  # another process may have built it while we waited
+                if entry is None:
+                    entry = built = build()
+                    _atomic_write(path, _pack_entry(*built))
+        return entry
+    except OSError as e:
+        logger.warning("hisparse: the kernel cache %s cannot be used (%s): compiling in memory", folder, e)
+        return built if built is not None else build()
 
 
 @functools.cache
@@ -197,8 +257,7 @@ def compile_kernel_source(name: str, arch: str) -> CompiledModule:
     """Compile ``<name>.cu`` for ``arch`` (``sm_XX`` gives a cubin, ``compute_XX`` PTX).
 
     Results are cached under ``$HISPARSE_CACHE_DIR/kernels`` (default ``~/.cache/hisparse``), keyed by
-    the sources, options, target and NVRTC version; a lock file keeps concurrent processes from building
-    the same entry twice, and entries appear atomically.
+    the sources, options, target and NVRTC version, one file an entry with its checksum (``_cached``).
     """
     if name not in KERNELS:
         raise ValueError(f"unknown kernel source {name!r}; expected one of {sorted(KERNELS)}")
@@ -223,22 +282,12 @@ def compile_kernel_source(name: str, arch: str) -> CompiledModule:
     digest.update(repr(nvrtc_version()).encode())
     stem = f"{name}-{arch}-{digest.hexdigest()[:32]}"
 
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    image_path, log_path = folder / f"{stem}.{kind}", folder / f"{stem}.log"
-    if not image_path.exists():
-        with open(folder / f"{stem}.lock", "wb") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not image_path.exists():  # another process may have built it while we waited
-                image, log = _compile(name, source, headers, options)
-                _atomic_write(log_path, log.encode())  # the log first: an image implies its log
-                _atomic_write(image_path, image)
-    log = log_path.read_text()
+    image, log = _cached(cache_dir(), f"{stem}.{kind}", lambda: _compile(name, source, headers, options))
     resources = parse_resources(log) if kind == "cubin" else {}
     missing = set(KERNELS[name]) - set(resources) if kind == "cubin" else set()
     if missing:
         raise CompileError(f"{name}.cu for {arch}: no ptxas report for {sorted(missing)}")
-    return CompiledModule(name, arch, kind, image_path.read_bytes(), resources, log)
+    return CompiledModule(name, arch, kind, image, resources, log)
 
 
 def compile_report(archs: tuple[str, ...] = COMPILED_ARCHS) -> list[dict]:

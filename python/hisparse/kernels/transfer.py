@@ -74,11 +74,13 @@ def page_copies(
     one block of one layer. Destinations must be distinct (SPEC.md)."""
     if len(gpu_layers) != len(host_layers) or not gpu_layers:
         raise ValueError("give the same positive number of GPU and host layers")
-    # In destination order (destinations are distinct; sources may repeat), runs are contiguous.
+    # In destination order (destinations are distinct; sources may repeat), runs are contiguous; none wider
+    # than the largest pitch, which a single row's copy takes as its pitch.
     live = sorted(((g, h) for g, h in pairs if g >= 0 and h >= 0), key=lambda p: (p[1], p[0]) if to_host else p)
+    longest = max(1, max_pitch // block_bytes)
     runs: list[tuple[int, int, int]] = []  # (first GPU block, first host block, blocks)
     for g, h in live:
-        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == h:
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == h and runs[-1][2] < longest:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((g, h, 1))
