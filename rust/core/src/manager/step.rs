@@ -242,10 +242,14 @@ impl ResidencyManager {
         let mut restores = p.restores;
         restores.sort_unstable();
         restores.dedup();
+        // A restored page still read from its block, pinned or since released (the pool counts the block free,
+        // but nothing reuses it while the page reads it): one whose block went elsewhere reads the host now.
         restores.retain(|&(id, page, block)| {
             let state = running(&id).and_then(|(r, _)| r.pages.get(page as usize)).map(|p| p.state);
             match state {
-                Some(PageState::Clean { block: b, host }) if b == block => {
+                Some(PageState::Clean { block: b, host } | PageState::Released { block: b, host })
+                    if b == block =>
+                {
                     plan.restores.push(Restore { gpu_block: block, host_block: host });
                     true
                 }
