@@ -279,6 +279,22 @@ def test_fewer_groups_than_a_block_holds_the_layers_of_are_refused() -> None:
         calc.calculate(groups=15)
     with pytest.raises(calc.CalcError, match="at least 5 for deepseek-v3.2"):  # 13 layer pages a block
         calc.calculate(model="deepseek-v3.2", groups=4)
+    # 5 groups of 13 layers fit those blocks, but vLLM's planner closes a group at 12 (8,052 // 656): said.
+    five = calc.calculate(model="deepseek-v3.2", groups=5)
+    assert any("vLLM's planner builds 6 hot groups" in note for note in five.notes)
+    assert not any("planner" in note for note in calc.calculate(model="deepseek-v3.2").notes)
+
+
+def test_the_host_pool_holds_what_vllm_wants_and_says_when_it_binds() -> None:
+    # 406,208 tokens on 1.4 GiB of KV: one request a replica; the minimum pool held ceil(seq / 64) blocks and
+    # vLLM wants 2 more, which rounding to whole GiB missed by one block.
+    r = calc.calculate(seq_len=406_208, kv_hbm_gib=1.4)
+    assert r.host_pool_gib * GIB // r.host_block_bytes >= r.seq_blocks + 2
+    assert not any("vLLM wants a host pool" in note for note in r.notes)
+    small = calc.calculate(host_gib=10)  # the GPU would hold 39, the pool 3: the pool binds, not "baseline"
+    assert small.limiter == "host" and small.hisparse_per_replica == small.baseline_per_replica
+    empty = calc.calculate(host_gib=0)
+    assert any("vLLM wants a host pool of at least" in note for note in empty.notes)
 
 
 def test_other_presets_use_the_same_formula() -> None:
@@ -487,6 +503,8 @@ if given is not None:
                 # the default pool is the minimum, which serves the GPU limit
                 assert r.hisparse_per_replica == min(max_seqs, r.gpu_limit_per_replica)
         elif r.kv_hbm_gib > 0 and r.baseline_per_replica > 0:
-            assert r.limiter == "baseline"
+            # the GPU would hold more through HiSparse, but for the host pool: then that is the limiter
+            gpu_more = min(max_seqs, r.gpu_limit_per_replica) > r.baseline_per_replica
+            assert r.limiter == ("host" if gpu_more else "baseline")
         if r.multiplier is not None:
             assert r.multiplier >= 1.0

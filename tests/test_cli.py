@@ -240,12 +240,15 @@ def test_plausible_small_demo_runs(monkeypatch, capsys) -> None:
 
 
 def test_calc_takes_huge_legal_counts(capsys) -> None:
-    """2**31 is a legal count for calc's flags: it computes (with notes), no error and no traceback."""
-    for flag in ("--tp", "--dp", "--seq", "--hot-rows", "--groups", "--retained-pages", "--max-seqs",
-                 "--mla-row-bytes"):
+    """2**31 is a legal count for calc's flags: it computes (with notes), no error and no traceback. Groups are
+    at most one a layer."""
+    for flag in ("--tp", "--dp", "--seq", "--hot-rows", "--retained-pages", "--max-seqs", "--mla-row-bytes"):
         status, out, err = run(["calc", flag, "2147483648", "--json"], capsys)
         assert status == 0 and err == "", (flag, err)
         assert json.loads(out)["hisparse_total"] >= 0
+    assert run(["calc", "--groups", "78", "--json"], capsys)[0] == 0
+    status, _, err = run(["calc", "--groups", "79"], capsys)
+    assert status == 2 and "groups must be at most 78 for glm-5.3, one a layer" in err
 
 
 def _subprocess(*argv: str) -> subprocess.CompletedProcess:

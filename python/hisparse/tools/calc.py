@@ -480,6 +480,8 @@ def calculate(
     retained_pages = _require_int("retained_pages", retained_pages, 0)
     other_blocks = _require_int("other_blocks", other_blocks, 0)
     given_groups = None if groups is None else _require_int("groups", groups, 1)
+    if given_groups is not None and given_groups > preset.layers:
+        raise CalcError(f"groups must be at most {preset.layers} for {preset.name}, one a layer")
     if hot_rows is not None and mtp is not None:
         raise CalcError("give hot_rows or mtp, not both (mtp K sizes hot rows as (K + 2) * top_k)")
     if mtp is not None:
@@ -528,6 +530,10 @@ def calculate(
     if group_layers > layer_pages:
         raise CalcError(f"groups must be at least {-(-preset.layers // layer_pages)} for {preset.name}: a group's "
                         f"hot rows hold pages of {group_layers} layers, and one HiSparse block holds {layer_pages}")
+    if groups < model_groups:
+        notes.append(f"vLLM's planner builds {model_groups} hot groups for {preset.name} (as many layers a group as "
+                     f"the indexer keys' bytes hold of their pages); {groups} groups of up to {group_layers} layers "
+                     "fit its blocks, but it does not build them")
     bt = BLOCK_TOKENS
     seq_blocks = -(-seq_len // bt)
     per_request = per_request_gpu_blocks(
@@ -541,7 +547,9 @@ def calculate(
     baseline = min(max_seqs, baseline_gpu_blocks // seq_blocks)
     gpu_limit = hisparse_gpu_blocks // per_request if per_request > 0 else max_seqs
     gpu_bound = min(max_seqs, gpu_limit)
-    min_host = math.ceil(gpu_bound * seq_blocks * sizes["host"] / GIB) if gpu_bound > baseline else 0
+    # Every request the GPU holds, and never fewer blocks than vLLM wants: ceil(max_model_len / bt) + 2.
+    min_host_blocks = max(gpu_bound * seq_blocks, seq_blocks + 2)
+    min_host = math.ceil(min_host_blocks * sizes["host"] / GIB) if gpu_bound > baseline else 0
     if host_gib is None:
         host_pool = float(min(HOST_POOL_MAX_GIB, max(HOST_POOL_MIN_GIB, min_host)))
         if min_host > HOST_POOL_MAX_GIB:
@@ -559,20 +567,20 @@ def calculate(
     elif offloaded > baseline:
         limiter = min(("max_seqs", max_seqs), ("gpu", gpu_limit), ("host", host_limit),
                       key=lambda kv_: kv_[1])[0]
-    elif baseline > 0:
-        limiter = "baseline"
+    elif baseline > 0:  # the GPU would hold more through HiSparse: then the host pool is what holds it back
+        limiter = "host" if min(max_seqs, gpu_limit) > baseline else "baseline"
     else:
         limiter = "gpu" if gpu_limit <= host_limit else "host"
     if kv > 0 and hisparse == 0:
         notes.append("not even one request of this length fits, with or without HiSparse")
-    if host_gib is not None and 0 < host_pool_blocks < seq_blocks + 2:
+    if (host_gib is not None or min_host) and host_pool_blocks < seq_blocks + 2:
         notes.append(f"vLLM wants a host pool of at least ceil(max_model_len / {bt}) + 2 = "
                      f"{seq_blocks + 2} blocks; this one has {host_pool_blocks}")
     if hot_rows > HOT_ROWS_LIMIT:
         notes.append(f"vLLM caps hot rows at {HOT_ROWS_LIMIT} (int16 LRU); {hot_rows} asked")
     if seq_len > preset.max_positions:
         notes.append(f"{preset.name} supports {preset.max_positions:,} positions; {seq_len:,} asked")
-    if accounting == "exact" and key != DEFAULT_MODEL:
+    if key != DEFAULT_MODEL:
         notes.append(f"{preset.name}: block bytes and weights {preset.source}; the page covers GLM-5.3 only")
 
     baseline_total = baseline * dp
