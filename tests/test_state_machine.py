@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hisparse import CapacityError, DataPath, InvalidArgumentError, Layout, ResidencyManager
-from hisparse.scenario import Driver
+from hisparse.scenario import Driver, count_step
 
 LAYOUT = Layout(num_gpu_blocks=40, num_host_blocks=160, block_size=4, max_model_len=96, max_running=6,
                 hot_rows=16, row_bytes=16, layer_groups=(0, 1, 1))
@@ -237,13 +237,7 @@ def test_a_resync_redoes_the_restores_of_pages_released_while_their_step_was_los
             prefill[victim] += written - d.preempt(victim)
             preempted.append(victim)
             continue
-        decoding = []
-        for rid, n in sched:
-            if prefill[rid]:
-                prefill[rid] -= n
-            else:
-                decodes[rid] -= 1
-                decoding.append(rid)
+        decoding = count_step(sched, prefill, decodes)
         if decoding:
             d.decode_resolve(decoding)
         released = m.stats()["total_released"]

@@ -263,6 +263,20 @@ class Driver:
         return checked
 
 
+def count_step(scheduled: list[tuple[int, int]], prefill_left: dict[int, int], decode_left: dict[int, int]
+               ) -> list[int]:
+    """Counts a step's tokens off what each request has left: a chunk off its prefill, or one decode; returns the
+    decoding requests, in order."""
+    decoders = []
+    for rid, chunk in scheduled:
+        if prefill_left[rid]:
+            prefill_left[rid] -= chunk
+        else:
+            decode_left[rid] -= 1
+            decoders.append(rid)
+    return decoders
+
+
 def default_scenario(seed: int = 0, quiet: bool = False, rebuild_every: int = 0, progress: bool = False) -> dict:
     """24 requests in 3 prefix families under a pool that fits about 4 of them fully resident.
 
@@ -346,13 +360,7 @@ def default_scenario(seed: int = 0, quiet: bool = False, rebuild_every: int = 0,
         steps += 1
         for rid, frm, to in plan.transitions:
             say(f"step {steps:4d}  residency request {rid:2d}: {frm} -> {to}")
-        decoders = []
-        for rid, chunk in scheduled:
-            if prefill_left[rid]:
-                prefill_left[rid] -= chunk
-            else:
-                decode_left[rid] -= 1
-                decoders.append(rid)
+        decoders = count_step(scheduled, prefill_left, decode_left)
         if decoders:
             driver.decode_resolve(decoders)
         if rebuild_every and steps % rebuild_every == 0:
