@@ -129,6 +129,21 @@ def test_pressure_async_defaults_blocks_return(policy):
     check_everything_returned(setup)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_admission_counts_the_window_vllm_admits_into(async_scheduling):
+    """Two long prompts two steps apart in a pool that holds both only if the second waits. Under async
+    scheduling vLLM's admission window is two chunks: admission counted one, let the second in, and vLLM
+    preempted it once its prefill had filled the pool (8,188 tokens computed again; a review's reproducer).
+    Counting the window as vLLM sizes it, the second waits, and nothing is preempted either way."""
+    setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, max_num_seqs=8, max_num_batched_tokens=2048,
+                    host_pool_gib=20, async_scheduling=async_scheduling)
+    jobs = [H.Job("A", H.prompt(1, 12000, H.prompt(999, 4096)), 30), H.Job("B", H.prompt(2, 11000), 30, arrival=2)]
+    worker = H.FakeWorker(setup, layers=LAYERS, completion_lag=2)
+    stats, checked = run_checked(setup, worker, jobs)
+    assert stats.preemptions == 0 and checked > 0
+    check_everything_returned(setup)
+
+
 # ---------------------------------------------------------------------------------------------- aborts
 
 

@@ -173,12 +173,13 @@ impl PoolShape {
     /// to grow: a page for every running request that keeps its pages, and an indexer block for every one
     /// that reads through its hot region plus one page for them all (their pages go back to the pool as they
     /// are copied, so only the few crossing a page boundary at once hold a page more). Its peak need is
-    /// counted as if nothing of its prefix were on the GPU: every indexer page (one block each), two
-    /// admission windows of resident pages (the next chunk is allocated, with the hot region, before the
-    /// window that filled up is released), and a hot region when it will read through one: a prompt longer
-    /// than one window, a prefix hit (its pages may be on the host only, and vLLM gives any prefix hit a hot
-    /// region), or a pool left low enough to move it at once. A short request reads through none: every
-    /// page of it is resident, its prefix hit restored whole.
+    /// counted as if nothing of its prefix were on the GPU: every indexer page (one block each), its admission
+    /// window of resident pages and one chunk more (the next chunk is allocated, with the hot region, before
+    /// the window that filled up is released; vLLM's window is the tokens in flight, two chunks under async
+    /// scheduling, one without; `admission_pages` 0: one chunk), and a hot region when it will read through
+    /// one: a prompt longer than its window, a prefix hit (its pages may be on the host only, and vLLM gives
+    /// any prefix hit a hot region), or a pool left low enough to move it at once. A short request reads
+    /// through none: every page of it is resident, its prefix hit restored whole.
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
         // In u128: a product or sum of usize counts cannot wrap (the engine's counts are far smaller, but
         // a count near usize::MAX must not turn a refusal into an admission).
@@ -186,8 +187,10 @@ impl PoolShape {
         let pages = self.pages(ask.tokens);
         let hit_pages = if ask.short { 0 } else { ask.computed_tokens / self.block_size.max(1) };
         let new_pages = pages.saturating_sub(hit_pages);
-        let window = self.pages(ask.chunk_tokens);
-        let mut need = wide(pages) + wide(new_pages).min(2 * wide(window)) * wide(self.blocks_per_page);
+        let chunk = self.pages(ask.chunk_tokens);
+        let window = if self.admission_pages > 0 { self.admission_pages } else { chunk };
+        let peak = wide(new_pages).min(wide(window) + wide(chunk));
+        let mut need = wide(pages) + peak * wide(self.blocks_per_page);
         let free = wide(pool.free_blocks);
         if !ask.short
             && (new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark))
@@ -389,15 +392,27 @@ mod tests {
         let short = Admission { short: true, ..ask };
         assert!(s.has_headroom(&short, &PoolState { free_blocks: 329, ..empty }));
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 328, ..empty }));
-        // A prefix hit, or a prompt longer than a window, reads through a hot region: it is counted.
+        // A prefix hit, or a prompt longer than its admission window, reads through a hot region: it is counted.
         let hit = Admission { computed_tokens: 1024, ..ask };
         let hit_need = 47 + (47 - 16) * 6 + 384;
         assert!(s.has_headroom(&hit, &PoolState { free_blocks: hit_need, ..empty }));
         assert!(!s.has_headroom(&hit, &PoolState { free_blocks: hit_need - 1, ..empty }));
-        let long = Admission { tokens: 8000, chunk_tokens: 2048, ..ask };
-        let long_need = 125 + 2 * 32 * 6 + 384;
+        // 188 pages in 32-page chunks: it fills its 128-page window, then takes its region and the next chunk
+        // before anything is released (under async scheduling the window is two chunks, not one: counting
+        // one, a request admitted into a pool that held two was preempted once its prefill filled it).
+        let long = Admission { tokens: 12_000, chunk_tokens: 2048, ..ask };
+        let long_need = 188 + (128 + 32) * 6 + 384;
         assert!(s.has_headroom(&long, &PoolState { free_blocks: long_need, ..empty }));
         assert!(!s.has_headroom(&long, &PoolState { free_blocks: long_need - 1, ..empty }));
+        // A prompt within its window keeps its pages, unless the pool it leaves is low.
+        let within = Admission { tokens: 8000, chunk_tokens: 2048, ..ask };
+        assert!(s.has_headroom(&within, &PoolState { free_blocks: 125 * 7 + 400, ..empty }));
+        assert!(!s.has_headroom(&within, &PoolState { free_blocks: 125 * 7 + 383, ..empty }));
+        // Without a window (admission_pages 0), one chunk stands for it.
+        let unknown = PoolShape { admission_pages: 0, ..s };
+        let one_chunk_need = 188 + 2 * 32 * 6 + 384;
+        assert!(unknown.has_headroom(&long, &PoolState { free_blocks: one_chunk_need, ..empty }));
+        assert!(!unknown.has_headroom(&long, &PoolState { free_blocks: one_chunk_need - 1, ..empty }));
         // Running requests: a page of growth each, the hot regions owed, and one more while one may take it.
         let pool = PoolState {
             free_blocks: 4000,

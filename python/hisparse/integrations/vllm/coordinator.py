@@ -16,9 +16,10 @@ the decisions that are policy (package docstring):
                       heat summary (its coldest pages, then the unlisted oldest first, then its hottest).
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
                       (an answer of None makes vLLM leave the request waiting this step): a new request is
-                      admitted only while the pool keeps, after its peak need (every indexer page, two
-                      admission windows of resident pages, its hot region), the hot regions owed to requests
-                      already asked to transition, one more hot region while a running request has none,
+                      admitted only while the pool keeps, after its peak need (every indexer page, its
+                      admission window of resident pages and one chunk more, its hot region), the hot
+                      regions owed to requests already asked to transition, one more hot region while a
+                      running request has none,
                       and room to grow (a page for every running request that keeps its pages, an indexer
                       block for every one reading through its hot region, whose pages go back as they are
                       copied, and one page for those together). vLLM admits against unpinned pages
@@ -122,8 +123,8 @@ class HisparseCoordinator(Bookkeeping):
         into the pool (vLLM's ``OffloadingConnector`` beside HiSparse loads back the groups HiSparse does not
         hold, the indexer keys, up to that prefix: ``_max_loadable_tokens``); 0 before, or with no such hit.
         ``MultiConnector`` asks hisparse first, so a later turn whose indexer keys left the GPU reaches
-        :meth:`admit` with no local hit, and would be counted as a whole new prefill (two admission windows of
-        resident pages) where it needs a hot region, its indexer blocks and its new pages."""
+        :meth:`admit` with no local hit, and would be counted as a whole new prefill (an admission window of
+        resident pages and a chunk more) where it needs a hot region, its indexer blocks and its new pages."""
         return self.host_prefix_tokens(request) if self._external_loads else 0
 
     def host_prefix_tokens(self, request) -> int:
