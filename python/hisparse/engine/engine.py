@@ -31,6 +31,7 @@ import torch
 from ..datapath import Layout
 from ..errors import CapacityError, ConfigError, InvalidArgumentError, InvariantError
 from ..hooks import ScheduledRequest, SchedulerHooks, WorkerHooks, WorkerStep
+from ..kernels.launch import _positive
 from .model import TinyDSA, digest
 
 MODES = ("resident", "offload", "hisparse")
@@ -70,16 +71,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
-        for name in ("num_gpu_blocks", "block_size", "max_running", "max_batched_tokens"):
-            _positive(name, getattr(self, name))
-        for name in ("num_host_blocks", "hot_rows"):
-            if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        _positive(num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size, max_running=self.max_running,
+                  max_batched_tokens=self.max_batched_tokens)
+        _positive(**{name: value for name in ("num_host_blocks", "hot_rows")
+                     if (value := getattr(self, name)) is not None})
 
 
 @dataclass(frozen=True)

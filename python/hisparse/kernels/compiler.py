@@ -211,7 +211,8 @@ _ENTRY_MAGIC = b"hisparse kernel cache entry 1\n"
 
 
 def _pack_entry(image: bytes, log: str) -> bytes:
-    body = len(log.encode()).to_bytes(8, "little") + log.encode() + image
+    text = log.encode()
+    body = len(text).to_bytes(8, "little") + text + image
     return _ENTRY_MAGIC + hashlib.sha256(body).digest() + body
 
 

@@ -568,7 +568,7 @@ def calculate(
         limiter = min(("max_seqs", max_seqs), ("gpu", gpu_limit), ("host", host_limit),
                       key=lambda kv_: kv_[1])[0]
     elif baseline > 0:  # the GPU would hold more through HiSparse: then the host pool is what holds it back
-        limiter = "host" if min(max_seqs, gpu_limit) > baseline else "baseline"
+        limiter = "host" if gpu_bound > baseline else "baseline"
     else:
         limiter = "gpu" if gpu_limit <= host_limit else "host"
     if kv > 0 and hisparse == 0:

@@ -66,11 +66,11 @@ put back, not counted as a preemption) until the plan fits, but for the step's o
 newest and a prefill: it halves its chunk instead, down to a page, as the reference engine's does. The core
 copies the pages a step sealed to the host in the next plan, a step after vLLM's HiSparse, which copies them
 after the forward that wrote them, so a prompt longer than the GPU pool can free room for its next chunk only
-once the last one's copies are under way; preempted, it would lose that chunk each time and never get past it. MTP: each
-decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the probability that gives the
-measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool that cannot hold one prefill
-chunk (offload: one whole request) is refused before the run; a point in which no
-request computes a new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
+once the last one's copies are under way; preempted, it would lose that chunk each time and never get past it.
+MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the probability that
+gives the measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool that cannot hold one
+prefill chunk (offload: one whole request) is refused before the run; a point in which no request computes a
+new token for 50 scheduler passes (each step lost to a preemption) ends in an error.
 
 Traffic and time (constants and sources in :mod:`hisparse.tools.sim_constants`)
   * Step = one decode step (26.2 ms: TPOT x accept length of GLM-5-FP8 MTP on 8xH200) + prefill FLOPs /

@@ -17,19 +17,18 @@ the decisions that are policy (package docstring):
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
                       (an answer of None makes vLLM leave the request waiting this step): a new request is
                       admitted only while the pool keeps, after its peak need (every indexer page, its
-                      admission window of resident pages and one chunk more, its hot region), the hot
-                      regions owed to requests already asked to transition, one more hot region while a
-                      running request has none,
-                      and room to grow (a page for every running request that keeps its pages, an indexer
-                      block for every one reading through its hot region, whose pages go back as they are
-                      copied, and one page for those together). vLLM admits against unpinned pages
-                      as if they were free, then preempts running requests when their hot regions and
+                      admission window of resident pages and one chunk more, its hot region), the hot regions
+                      owed to requests already asked to transition, one more hot region while a running
+                      request has none, and room to grow (a page for every running request that keeps its
+                      pages, an indexer block for every one reading through its hot region, whose pages go
+                      back as they are copied, and one page for those together). vLLM admits against unpinned
+                      pages as if they were free, then preempts running requests when their hot regions and
                       tail pages do not fit. A deferred admission counts as a low pool for this step's
-                      transitions, so requests worth moving free room for the waiting one, and the rest of
-                      the queue waits behind it (vLLM's first come, first served). A request too short ever
-                      to take a hot region is counted without one, its prefix hit as resident pages.
-                      Once a connector beside hisparse has loaded into the host pool, the prefix the pool
-                      holds counts as a hit (``loadable_prefix``): that connector loads the rest back.
+                      transitions, so requests worth moving free room for the waiting one, and the rest of the
+                      queue waits behind it (vLLM's first come, first served). A request too short ever to
+                      take a hot region is counted without one, its prefix hit as resident pages. Once a
+                      connector beside hisparse has loaded into the host pool, the prefix the pool holds
+                      counts as a hit (``loadable_prefix``): that connector loads the rest back.
 ``bind``              (new) a short request admitted on a prefix hit is restored whole to resident pages
                       (``restore.WholeRestores``) where vLLM gives it a hot region.
 ``report_heat``       (new) a heat summary from the workers (``heat.HeatReport``, the core's ``HeatSummary``):
@@ -67,7 +66,7 @@ def slots_past_end(vllm_config) -> int:
     """The KV slots vLLM allocates past a request's last token, with speculative decoding: a step's drafts and
     lookahead, as its scheduler bounds a request's full sequence (``Scheduler._request_remaining_blocks``), and
     under async scheduling the drafts of the step still in flight too, which it counts computed already (a step
-    is scheduled while two tokens remain). None without drafts."""
+    is scheduled while two tokens remain). 0 without drafts."""
     spec = vllm_config.num_speculative_tokens
     if not spec:
         return 0
