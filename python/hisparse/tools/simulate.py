@@ -67,6 +67,8 @@ newest and a prefill: it halves its chunk instead, down to a page, as the refere
 copies the pages a step sealed to the host in the next plan, a step after vLLM's HiSparse, which copies them
 after the forward that wrote them, so a prompt longer than the GPU pool can free room for its next chunk only
 once the last one's copies are under way; preempted, it would lose that chunk each time and never get past it.
+Running alone with not a page free, it waits instead for those copies, which a plan that schedules nothing
+starts (the reference engine's ``_copy_written_pages``).
 MTP: each decode step emits 1 + accepted drafts tokens, drafts accepted in a chain with the probability that
 gives the measured mean accept length 3.48; the KV grows by the tokens emitted. A GPU pool that cannot hold one
 prefill chunk (offload: one whole request) is refused before the run; a point in which no request computes a
@@ -744,6 +746,17 @@ class Simulation:
             (user * cfg.arrival_spread_s / cfg.concurrency, user) for user in range(cfg.concurrency))
         copies: deque[tuple[float, list[int]]] = deque()
         d2h_free = 0.0
+        d2h_bytes = 0.0
+
+        def start_copies(ids: list[int], start: float) -> None:
+            """Copies to the host a plan started, in order on the link from ``start``."""
+            nonlocal d2h_free, d2h_bytes
+            if ids:
+                nbytes = len(ids) * d.host_page_bytes
+                d2h_bytes += nbytes
+                d2h_free = max(start, d2h_free) + nbytes / cfg.d2h_bytes_per_s
+                copies.append((d2h_free, ids))
+
         h2d_free = 0.0
         # metrics
         steps = 0
@@ -759,7 +772,6 @@ class Simulation:
         finished = 0
         conversations = 0
         h2d = {"decode_miss": 0.0, "prefill_miss": 0.0, "restore": 0.0, "indexer": 0.0, "relief": 0.0}
-        d2h_bytes = 0.0
         hits = misses = 0
         hot_area = hot_weight = 0.0  # hot rows of the buffers decode steps read, weighted by their selected rows
         share_bins = [0] * (SHARE_BINS + 1)  # decode steps over host-only history by the share f they select there
@@ -900,6 +912,16 @@ class Simulation:
                     sched = [(lone, max(bt, chunk // 2))]
                     plan = m.plan_step([(lone.rid, sched[0][1])])
                     continue
+                if len(running) == 1 and lone.in_prefill:
+                    # Alone, its last chunk filled the pool: a plan that schedules nothing starts that chunk's
+                    # copies to the host, and the request waits for them rather than throwing the chunk away.
+                    empty = m.plan_step([])
+                    if self.tables is not None:
+                        self.tables.apply(empty)
+                    start_copies(empty.transfer_ids, now)
+                    if copies:
+                        now = max(now, copies[0][0])
+                        break
                 # vLLM: preempt the newest running request until the step fits; one admitted this step that
                 # never ran is just put back.
                 victim = running.pop()
@@ -938,13 +960,7 @@ class Simulation:
                 elif self.adaptive and self.tables.hot_changed:
                     self._rebalance()
             stats = m.stats()
-            # Copies to the host planned by this step start with it and overlap the forward.
-            ids = plan.transfer_ids
-            if ids:
-                nbytes = len(ids) * d.host_page_bytes
-                d2h_bytes += nbytes
-                d2h_free = max(start, d2h_free) + nbytes / cfg.d2h_bytes_per_s
-                copies.append((d2h_free, ids))
+            start_copies(plan.transfer_ids, start)  # they overlap the forward
             # Restores planned inside the step (relief to full residency) land before the forward.
             relief = stats["total_restored"] - restored_before - sum(x[0] for x in admitted.values())
             restored_before = stats["total_restored"]
