@@ -78,6 +78,25 @@ def test_an_entry_that_is_not_whole_is_built_again(tmp_path, monkeypatch):
     compiler.compile_kernel_source.cache_clear()
 
 
+def test_a_killed_writers_temporary_file_is_removed_when_the_entry_is_built(tmp_path, monkeypatch):
+    """A process killed between writing an entry and renaming it leaves its temporary file; the next build of that
+    entry (under its lock, which the dead writer held) removes it, and leaves other entries' files alone."""
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
+    compiler.compile_kernel_source.cache_clear()
+    compiler.compile_kernel_source("copy", "sm_90")
+    folder = tmp_path / "kernels"
+    (entry,) = folder.glob("*.cubin")
+    entry.unlink()
+    torn = folder / f".{entry.name}.k1ll3d"
+    torn.write_bytes(b"half an entry")
+    other = folder / ".another-entry.cubin.k1ll3d"
+    other.write_bytes(b"")
+    compiler.compile_kernel_source.cache_clear()
+    assert compiler.compile_kernel_source("copy", "sm_90").image[:4] == b"\x7fELF"
+    assert entry.exists() and not torn.exists() and other.exists()
+    compiler.compile_kernel_source.cache_clear()
+
+
 def test_a_cache_folder_that_cannot_be_used_costs_a_compile_not_the_kernels(tmp_path, monkeypatch, caplog):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_bytes(b"")

@@ -233,7 +233,8 @@ def _read_entry(path: Path) -> tuple[bytes, str] | None:
 
 def _cached(folder: Path, name: str, build) -> tuple[bytes, str]:
     """``build()``'s (image, log), kept in ``folder`` under ``name``. A lock file keeps concurrent processes
-    from building one entry twice; an entry that is not whole is built again. A folder that cannot be used
+    from building one entry twice; an entry that is not whole is built again, and the temporary files of its
+    writers that died are removed (a writer holds the lock until its file is renamed). A folder that cannot be used
     (read-only, not a folder) costs a compile per process, not the kernels: they are built in memory."""
     built = None
     try:
@@ -245,6 +246,8 @@ def _cached(folder: Path, name: str, build) -> tuple[bytes, str]:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 entry = _read_entry(path)  # another process may have built it while we waited
                 if entry is None:
+                    for torn in folder.glob(f".{name}.*"):  # left by a writer killed before its rename
+                        torn.unlink(missing_ok=True)
                     entry = built = build()
                     _atomic_write(path, _pack_entry(*built))
         return entry
