@@ -15,7 +15,9 @@ import itertools
 import math
 import pickle
 import random
+import re
 import struct
+import types
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -619,3 +621,47 @@ def test_the_vllm_bookkeeping_refuses_counts_no_engine_has():
     assert policy.has_headroom(16, 0, 16, True, **{**pool, "free_blocks": 2**64 - 1})
     assert not policy.has_headroom(16, 0, 16, True, **{**pool, "owed_hot_blocks": 2**64 - 1})
     assert not policy.has_headroom(16, 0, 16, True, **{**pool, "running": 2**63})
+
+
+def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
+    """The vLLM plugin's core objects check their arguments as ``ResidencyManager`` does (``args.rs``): a negative,
+    a bool, a float, a value past the range, a string for a sequence, a missing key or a group that does not exist
+    is an ``InvalidArgumentError`` naming the argument, never a raw ``OverflowError``/``TypeError``/``KeyError``,
+    nor a silent answer (a review's reproducers)."""
+    policy = _core.PoolPolicy(block_size=16, blocks_per_page=2, hot_blocks=64, admission_pages=4, tail_pages=2)
+    rows = _core.BlockRows(2, 16)
+    rows.set("a", 0, [1, None])
+    pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
+    count, two = struct.pack("=I", 2), struct.pack("=qq", 0, 0)
+    calls = {
+        "block_size": lambda: _core.PoolPolicy(block_size=-1),
+        "hot_blocks": lambda: _core.PoolPolicy(hot_blocks=2.0),
+        "tail_pages": lambda: _core.PoolPolicy(tail_pages=True),
+        "releasable_pages": lambda: policy.worth_transition(-1),
+        "free_blocks": lambda: policy.transition(False, -5, False, 0, 1),
+        "fills_window": lambda: policy.transition(1, 5, False, 0, 1),
+        "tokens": lambda: policy.has_headroom(-1, 0, 16, True, **pool),
+        "short": lambda: policy.has_headroom(16, 0, 16, 0, **pool),
+        "pages[0]": lambda: policy.release_order("a", [2**32]),
+        "request_ids": lambda: policy.report(b"", "ab"),
+        "groups": lambda: _core.BlockRows(True, 16),
+        "block size of 1 to": lambda: _core.BlockRows(1, 2**31 + 1),  # its slots would not fit vLLM's i64 rows
+        "group": lambda: rows.set("a", -1, [1]),
+        "ids[0]": lambda: rows.set("a", 0, [1.0]),
+        "ids[1]": lambda: rows.extend("a", 0, [1, -1]),
+        "page": lambda: rows.drop_page("a", -1),
+        "resident group 2": lambda: rows.row("a", 2),
+        "resident group 5": lambda: rows.row_len("a", 5),
+        "null": lambda: rows.blocks_by_group("a", [0], -1),
+        "tokens ": lambda: rows.quiet("a", -1),
+        "scheduled[a]": lambda: rows.scan({"a": -1}, {"a": 0}),
+        "computed has no entry": lambda: rows.scan({"a": 1}, {}),
+        "scheduled must be a dict": lambda: rows.scan(types.MappingProxyType({"a": 1}), {"a": 0}),
+        "lookahead": lambda: rows.scan({"a": 1}, {"a": 0}, -1),
+        "groups ": lambda: _core.unpack_row_mirrors(object, ["a"], count, b"", two, two, -1),
+    }
+    before = rows.row("a", 0), rows.row_len("a", None), len(policy)
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgumentError, match=re.escape(name.strip())):
+            call()
+    assert (rows.row("a", 0), rows.row_len("a", None), len(policy)) == before

@@ -124,7 +124,7 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert busy({"a": 1, "b": 1}, {"a": 10, "b": 0}) == ["b"] and busy({"a": 2}, {"a": 10}) == ["a"]
     rows.extend("a", None, [33])
     assert busy({"a": 1}, {"a": 10}) == ["a"]
-    with pytest.raises(KeyError):
+    with pytest.raises(hisparse_errors.InvalidArgumentError, match="computed has no entry for request a"):
         busy({"a": 1}, {})
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
     # A page's blocks in every group by group, as a residency update sends them (the pool's null block where a

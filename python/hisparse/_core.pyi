@@ -10,7 +10,7 @@ lock inside (taken after the GIL is released, so waiting never blocks other Pyth
 ``stats()`` beside a serving loop waits for the current call and never fails.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Literal, SupportsIndex, TypeVar, final
 
 Residency = Literal["full", "mixed", "none"]
@@ -98,6 +98,7 @@ class StepPlan:
     def from_bytes(cls, data: bytes | bytearray) -> StepPlan:
         """Reads ``to_bytes`` back; refuses anything it did not write."""
 
+@final
 class ResidencyManager:
     """The scheduler-side residency manager: admission, step plans, the pressure policy, the worker's feedback.
 
@@ -198,6 +199,7 @@ def _ref_copy(
     pairs: Buf, unit: int, row_bytes: int, to_host: bool, gpu_layers: Sequence[Buf], host_layers: Sequence[Buf]
 ) -> None: ...
 def _ref_invalidate(geometry: tuple[int, int, int, int, int], hot_pos: Buf, hot_stamp: Buf, pairs: Buf) -> None: ...
+@final
 class ApplyBuffers:
     """The checked buffers ``_ref_apply`` writes, kept across steps by ``DataPath``."""
 
@@ -209,13 +211,15 @@ class ApplyBuffers:
         host: Sequence[Buf],
     ) -> None: ...
 
-def _ref_apply(plan: StepPlan, buffers: ApplyBuffers) -> None: ...
+def _ref_apply(plan: StepPlan, buffers: ApplyBuffers) -> bytearray | None: ...
+def _ref_slot_mapping(plan: StepPlan, block_table: Buf, pages: int, block_size: int) -> bytearray: ...
 def _ref_heat_summary(tables: Sequence[Buf], pages: int, block_size: int, coldest: int, hottest: int) -> bytes: ...
 def _encode_heat_summary(bufs: Sequence[Buf], pages: int, coldest: int, hottest: int) -> bytes: ...
 def _check_plan(
     plan: StepPlan, geometry: tuple[int, int, int, int, int], rows: int, gpu_blocks: int, host_blocks: int
 ) -> None: ...
 
+@final
 class PoolPolicy:
     """Release and reuse order over a block pool that another engine (vLLM) owns; see ``pool_policy.rs``."""
 
@@ -262,6 +266,7 @@ def unpack_row_mirrors(
     groups: int,
 ) -> dict[str, tuple[_T, ...]]: ...
 
+@final
 class BlockRows:
     """vLLM's per-request block rows (each resident group's, residency changes applied, and the host's), recorded
     as vLLM changes them, and the scans its scheduler runs over them every step; see ``block_rows.rs``. A
@@ -284,9 +289,9 @@ class BlockRows:
     def changes(self) -> int: ...
     def scan(
         self,
-        scheduled: Mapping[str, int],
-        computed: Mapping[str, int],
+        scheduled: dict[str, int],
+        computed: dict[str, int],
         lookahead: int = 0,
-        back: Mapping[str, int] | None = None,
+        back: dict[str, int] | None = None,
     ) -> tuple[tuple[list[str], bytes, bytes, bytes, bytes], bool, list[str]]: ...
     def __len__(self) -> int: ...

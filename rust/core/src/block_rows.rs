@@ -23,6 +23,10 @@ pub const HOST_ONLY: u32 = u32::MAX;
 /// refuses a count no layout has, rather than allocating for it per request.
 pub const MAX_GROUPS: usize = 64;
 
+/// The largest block size: a row's slot (`block id x block size + offset`, block ids below 2^32) then fits the
+/// i64 slots vLLM's worker reads.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 31;
+
 /// Which of a request's rows: a resident group's, or the host group's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Row {
@@ -181,10 +185,10 @@ pub struct BlockRows {
 impl BlockRows {
     /// Rows for `groups` resident groups of `block_size`-token pages (the host group's pages are as large).
     pub fn new(groups: usize, block_size: u32) -> Result<Self> {
-        if groups == 0 || groups > MAX_GROUPS || block_size == 0 {
+        if groups == 0 || groups > MAX_GROUPS || block_size == 0 || block_size > MAX_BLOCK_SIZE {
             return invalid(format!(
-                "need 1 to {MAX_GROUPS} resident groups and a positive block size, not {groups} groups of \
-                 {block_size}"
+                "need 1 to {MAX_GROUPS} resident groups and a block size of 1 to {MAX_BLOCK_SIZE} tokens, not \
+                 {groups} groups of {block_size}"
             ));
         }
         Ok(Self { groups, block_size, requests: IdMap::default(), changes: 0 })
@@ -309,19 +313,15 @@ impl BlockRows {
     }
 
     /// A row as recorded; empty when never reported.
-    pub fn row(&self, request: &str, row: Row) -> Vec<u32> {
-        match (self.requests.get(request), self.index(row)) {
-            (Some(rows), Ok(k)) => rows.row(k),
-            _ => Vec::new(),
-        }
+    pub fn row(&self, request: &str, row: Row) -> Result<Vec<u32>> {
+        let k = self.index(row)?;
+        Ok(self.requests.get(request).map_or_else(Vec::new, |rows| rows.row(k)))
     }
 
     /// How many pages a row holds.
-    pub fn row_len(&self, request: &str, row: Row) -> usize {
-        match (self.requests.get(request), self.index(row)) {
-            (Some(rows), Ok(k)) => rows.lens[k],
-            _ => 0,
-        }
+    pub fn row_len(&self, request: &str, row: Row) -> Result<usize> {
+        let k = self.index(row)?;
+        Ok(self.requests.get(request).map_or(0, |rows| rows.lens[k]))
     }
 
     /// Every resident group's block of each page, page by page (`pages.len() x groups` ids, [`HOST_ONLY`]
@@ -521,14 +521,20 @@ mod tests {
         let mut rows = rows();
         rows.extend("a", Row::Host, &[33, 34]).unwrap();
         rows.set("a", Row::Resident(0), vec![HOST_ONLY, 1]).unwrap();
-        assert_eq!(rows.row("a", Row::Resident(0)), vec![HOST_ONLY, 1]);
-        assert_eq!(rows.row("a", Row::Resident(1)), vec![20, 21, 22]);
-        assert_eq!(rows.row("a", Row::Host), vec![30, 31, 32, 33, 34]);
-        assert_eq!((rows.row_len("a", Row::Host), rows.row_len("a", Row::Resident(0))), (5, 2));
+        assert_eq!(rows.row("a", Row::Resident(0)).unwrap(), vec![HOST_ONLY, 1]);
+        assert_eq!(rows.row("a", Row::Resident(1)).unwrap(), vec![20, 21, 22]);
+        assert_eq!(rows.row("a", Row::Host).unwrap(), vec![30, 31, 32, 33, 34]);
+        assert_eq!(
+            (rows.row_len("a", Row::Host).unwrap(), rows.row_len("a", Row::Resident(0)).unwrap()),
+            (5, 2)
+        );
         rows.drop_page("a", 2);
         rows.drop_page("nobody", 0);
         assert_eq!(rows.blocks_at("a", &[2]), vec![HOST_ONLY, HOST_ONLY], "group 0 has no page 2 to drop");
-        assert_eq!((rows.row_len("a", Row::Resident(0)), rows.row("a", Row::Host)[2]), (2, 32));
+        assert_eq!(
+            (rows.row_len("a", Row::Resident(0)).unwrap(), rows.row("a", Row::Host).unwrap()[2]),
+            (2, 32)
+        );
         rows.set_page("a", Row::Resident(1), 2, 22).unwrap();
         assert_eq!(rows.blocks_at("a", &[1, 2]), vec![1, 21, HOST_ONLY, 22]);
         assert!(!rows.all_resident("a", 8));
@@ -546,7 +552,7 @@ mod tests {
         rows.clear("a", Row::Resident(0)).unwrap();
         rows.clear("a", Row::Resident(1)).unwrap();
         assert_eq!(rows.len(), 1);
-        assert!(rows.row("a", Row::Resident(0)).is_empty());
+        assert!(rows.row("a", Row::Resident(0)).unwrap().is_empty());
         rows.clear("a", Row::Host).unwrap();
         assert!(rows.is_empty());
     }
@@ -580,6 +586,8 @@ mod tests {
         assert!(BlockRows::new(0, 4).is_err() && BlockRows::new(1, 0).is_err());
         assert!(BlockRows::new(MAX_GROUPS, 4).is_ok() && BlockRows::new(MAX_GROUPS + 1, 4).is_err());
         assert!(BlockRows::new(usize::MAX, 4).is_err());
-        assert_eq!(rows.row("a", Row::Resident(0)), &[10, 11, 12]);
+        assert!(BlockRows::new(1, MAX_BLOCK_SIZE).is_ok() && BlockRows::new(1, MAX_BLOCK_SIZE + 1).is_err());
+        assert!(rows.row("a", Row::Resident(2)).is_err() && rows.row_len("a", Row::Resident(2)).is_err());
+        assert_eq!(rows.row("a", Row::Resident(0)).unwrap(), &[10, 11, 12]);
     }
 }

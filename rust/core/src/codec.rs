@@ -83,9 +83,17 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
 
+    /// Skips to an 8-byte boundary over the zeros [`Writer::align8`] pads with: anything else there is bytes
+    /// no writer made.
     pub fn align8(&mut self) -> Result<()> {
         let pad = (8 - self.at % 8) % 8;
-        self.take(pad).map(|_| ())
+        if self.take(pad)?.iter().any(|&b| b != 0) {
+            return invalid(format!(
+                "the encoded {}'s padding before byte {} is not zero",
+                self.what, self.at
+            ));
+        }
+        Ok(())
     }
 
     pub fn finish(self) -> Result<()> {

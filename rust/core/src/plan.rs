@@ -227,6 +227,9 @@ impl StepPlan {
                 ));
             }
             let slots = (0..hot_blocks).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
+            if slots[n..].iter().any(|&slot| slot != 0) {
+                return invalid("a cleared hot update's slots are not zero");
+            }
             plan.hot_updates.push(HotUpdate { row, blocks: slots[..n].to_vec() });
         }
         if plan.hot_updates.iter().map(|h| h.blocks.len()).max().unwrap_or(0) != hot_blocks {
@@ -320,5 +323,19 @@ mod tests {
         assert_eq!(bad_flags[flags..flags + 4], 1u32.to_le_bytes());
         bad_flags[flags] = 3;
         assert!(StepPlan::decode(&bad_flags).is_err());
+    }
+
+    #[test]
+    fn decode_accepts_only_what_encode_writes() {
+        // Every single-bit change of an encoded plan (padding and a cleared hot update's slots included) is
+        // either refused or the encoding of the plan it decodes to: one plan, one encoding.
+        let bytes = sample().encode(); // a cleared hot update among them
+        for bit in 0..bytes.len() * 8 {
+            let mut changed = bytes.clone();
+            changed[bit / 8] ^= 1 << (bit % 8);
+            if let Ok(other) = StepPlan::decode(&changed) {
+                assert_eq!(other.encode(), changed, "bit {bit} decodes to a plan that encodes otherwise");
+            }
+        }
     }
 }

@@ -28,6 +28,7 @@ macro_rules! int_type {
 
 int_type!(u32, "0..2**32");
 int_type!(u64, "0..2**64");
+int_type!(usize, "0..2**64");
 int_type!(i64, "-2**63..2**63");
 
 /// A page hash: a `u64` or an `i64` (Python's `hash()` is negative half the time); negative values are
@@ -116,7 +117,7 @@ pub fn boolean(v: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
 /// Refuses a string where a sequence is meant (a `str` is iterable, and would be taken apart).
 fn sequence<'py>(v: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
     if v.is_instance_of::<PyString>() || v.is_instance_of::<PyBytes>() || v.is_instance_of::<PyByteArray>() {
-        return Err(invalid(format!("{name} must be a sequence of integers, not {}", type_name(v))));
+        return Err(invalid(format!("{name} must be a sequence, not {}", type_name(v))));
     }
     v.try_iter().map_err(|_| invalid(format!("{name} must be a sequence, not {}", type_name(v))))
 }
@@ -142,6 +143,35 @@ pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
             return Err(too_long(name));
         }
         out.push(convert(&item?, &|| format!("{name}[{i}]"))?);
+    }
+    Ok(out)
+}
+
+/// A sequence of integers or ``None`` (e.g. a row's block ids, ``None`` where a page has no block).
+pub fn opt_ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Option<T>>> {
+    let mut out = room(v);
+    for (i, item) in sequence(v, name)?.enumerate() {
+        if i == MAX_ELEMENTS {
+            return Err(too_long(name));
+        }
+        let item = item?;
+        out.push(if item.is_none() { None } else { Some(convert(&item, &|| format!("{name}[{i}]"))?) });
+    }
+    Ok(out)
+}
+
+/// A sequence of strings (e.g. request ids), not one string taken apart.
+pub fn strings(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<String>> {
+    let mut out = room(v);
+    for (i, item) in sequence(v, name)?.enumerate() {
+        if i == MAX_ELEMENTS {
+            return Err(too_long(name));
+        }
+        let item = item?;
+        let text = item
+            .cast::<PyString>()
+            .map_err(|_| invalid(format!("{name}[{i}] must be a str, not {}", type_name(&item))))?;
+        out.push(text.to_str()?.to_owned());
     }
     Ok(out)
 }

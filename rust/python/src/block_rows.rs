@@ -4,16 +4,16 @@
 use std::sync::Mutex;
 
 use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Row, Step, HOST_ONLY};
-use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
+use crate::args::{int, ints, opt_int, opt_ints};
 use crate::errors::{invalid, PyResultExt};
 
 /// A row's block ids as Python gives them: ``None`` for a page read from the host.
-fn block_ids(ids: Vec<Option<u32>>) -> PyResult<Vec<u32>> {
-    ids.into_iter().map(block_id).collect()
+fn block_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    opt_ints::<u32>(ids, "ids")?.into_iter().map(block_id).collect()
 }
 
 fn block_id(id: Option<u32>) -> PyResult<u32> {
@@ -24,11 +24,16 @@ fn block_id(id: Option<u32>) -> PyResult<u32> {
     }
 }
 
-/// ``dict[request]`` as an integer; a ``KeyError`` when absent.
-fn item<'py>(dict: &Bound<'py, PyDict>, request: &Bound<'py, PyString>) -> PyResult<u64> {
+/// ``v`` as a ``dict`` (what the scans read in place), an error naming ``name`` otherwise.
+fn dict<'a, 'py>(v: &'a Bound<'py, PyAny>, name: &str) -> PyResult<&'a Bound<'py, PyDict>> {
+    v.cast::<PyDict>().map_err(|_| invalid(format!("{name} must be a dict, not {}", v.get_type())))
+}
+
+/// ``dict[request]`` (the dict named ``name``) as a count.
+fn item<'py>(dict: &Bound<'py, PyDict>, request: &Bound<'py, PyString>, name: &str) -> PyResult<u64> {
     match dict.get_item(request)? {
-        Some(value) => value.extract(),
-        None => Err(PyKeyError::new_err(request.clone().unbind())),
+        Some(value) => int(&value, &format!("{name}[{request}]")),
+        None => Err(invalid(format!("{name} has no entry for request {request}"))),
     }
 }
 
@@ -40,16 +45,18 @@ fn steps<'py>(
     // A loop, not a collect into `PyResult<Vec<_>>`, which cannot size the vector ahead.
     let mut steps = Vec::with_capacity(scheduled.len());
     for (request, count) in scheduled.iter() {
-        let request = request.cast_into::<PyString>()?;
-        let start = item(computed, &request)?;
-        steps.push((request, count.extract()?, start));
+        let request = request.cast_into::<PyString>().map_err(|e| {
+            invalid(format!("scheduled's keys must be request ids (str), not {}", e.into_inner()))
+        })?;
+        let start = item(computed, &request, "computed")?;
+        steps.push((request.clone(), int(&count, &format!("scheduled[{request}]"))?, start));
     }
     Ok(steps)
 }
 
 /// ``group``: a resident group's index, or ``None`` for the host row.
-fn row(group: Option<usize>) -> Row {
-    group.map_or(Row::Host, Row::Resident)
+fn row(group: Option<&Bound<'_, PyAny>>) -> PyResult<Row> {
+    Ok(opt_int::<usize>(group, "group")?.map_or(Row::Host, Row::Resident))
 }
 
 /// vLLM's block rows per request: every resident group's (residency changes applied) and the host's.
@@ -68,37 +75,52 @@ impl BlockRows {
 impl BlockRows {
     /// Rows for ``groups`` resident groups of ``block_size``-token pages.
     #[new]
-    fn new(groups: usize, block_size: u32) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(CoreBlockRows::new(groups, block_size).py()?) })
+    fn new(groups: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let rows = CoreBlockRows::new(int(groups, "groups")?, int(block_size, "block_size")?).py()?;
+        Ok(Self { inner: Mutex::new(rows) })
     }
 
     /// Replaces a row whole (``group`` ``None``: the host row); ``None`` in ``ids`` is a page read from the host.
-    fn set(&self, request: &str, group: Option<usize>, ids: Vec<Option<u32>>) -> PyResult<()> {
-        let ids = block_ids(ids)?;
-        self.with(|r| r.set(request, row(group), ids)).py()
+    fn set(&self, request: &str, group: Option<&Bound<'_, PyAny>>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (row, ids) = (row(group)?, block_ids(ids)?);
+        self.with(|r| r.set(request, row, ids)).py()
     }
 
     /// Appends pages to a row.
-    fn extend(&self, request: &str, group: Option<usize>, ids: Vec<Option<u32>>) -> PyResult<()> {
-        let ids = block_ids(ids)?;
-        self.with(|r| r.extend(request, row(group), &ids)).py()
+    fn extend(
+        &self,
+        request: &str,
+        group: Option<&Bound<'_, PyAny>>,
+        ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (row, ids) = (row(group)?, block_ids(ids)?);
+        self.with(|r| r.extend(request, row, &ids)).py()
     }
 
     /// One page of a row changed; the page must exist.
-    fn set_page(&self, request: &str, group: Option<usize>, page: usize, id: Option<u32>) -> PyResult<()> {
-        let id = block_id(id)?;
-        self.with(|r| r.set_page(request, row(group), page, id)).py()
+    fn set_page(
+        &self,
+        request: &str,
+        group: Option<&Bound<'_, PyAny>>,
+        page: &Bound<'_, PyAny>,
+        id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (row, page, id) = (row(group)?, int(page, "page")?, block_id(opt_int(id, "id")?)?);
+        self.with(|r| r.set_page(request, row, page, id)).py()
     }
 
     /// The engine stopped reading the page from the GPU: read from the host in every resident row that has
     /// it (what vLLM's ``drop_resident_page`` does to each group's row); nothing for a request without rows.
-    fn drop_page(&self, request: &str, page: usize) {
+    fn drop_page(&self, request: &str, page: &Bound<'_, PyAny>) -> PyResult<()> {
+        let page = int(page, "page")?;
         self.with(|r| r.drop_page(request, page));
+        Ok(())
     }
 
     /// A row was given back; a request with no row left is forgotten.
-    fn clear(&self, request: &str, group: Option<usize>) -> PyResult<()> {
-        self.with(|r| r.clear(request, row(group))).py()
+    fn clear(&self, request: &str, group: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let row = row(group)?;
+        self.with(|r| r.clear(request, row)).py()
     }
 
     /// Forgets every row.
@@ -107,15 +129,16 @@ impl BlockRows {
     }
 
     /// A row as recorded (``None``: read from the host); empty when never reported.
-    fn row(&self, request: &str, group: Option<usize>) -> Vec<Option<u32>> {
-        self.with(|r| {
-            r.row(request, row(group)).into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect()
-        })
+    fn row(&self, request: &str, group: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+        let row = row(group)?;
+        let ids = self.with(|r| r.row(request, row)).py()?;
+        Ok(ids.into_iter().map(|id| (id != HOST_ONLY).then_some(id)).collect())
     }
 
     /// How many pages a row holds (``len(row(...))`` without building the row).
-    fn row_len(&self, request: &str, group: Option<usize>) -> usize {
-        self.with(|r| r.row_len(request, row(group)))
+    fn row_len(&self, request: &str, group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let row = row(group)?;
+        self.with(|r| r.row_len(request, row)).py()
     }
 
     /// The page's block in every resident group as ``blocks[id]`` (vLLM's pool's blocks, by id), or ``None``
@@ -124,9 +147,10 @@ impl BlockRows {
         &self,
         py: Python<'py>,
         request: &str,
-        page: usize,
+        page: &Bound<'py, PyAny>,
         blocks: &Bound<'py, PyList>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let page = int(page, "page")?;
         let ids = self.with(|r| r.blocks_at(request, &[page]));
         if ids.contains(&HOST_ONLY) {
             return Ok(None);
@@ -142,9 +166,10 @@ impl BlockRows {
         &self,
         py: Python<'py>,
         request: &str,
-        pages: Vec<usize>,
-        null: u32,
+        pages: &Bound<'py, PyAny>,
+        null: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        let (pages, null) = (ints::<usize>(pages, "pages")?, int::<u32>(null, "null")?);
         let (ids, groups) = self.with(|r| (r.blocks_at(request, &pages), r.groups()));
         let filled =
             |g: usize| ids.iter().skip(g).step_by(groups).map(|&id| if id == HOST_ONLY { null } else { id });
@@ -154,8 +179,10 @@ impl BlockRows {
 
     /// ``request`` needs no bookkeeping in a step ending below ``tokens`` until one of its rows changes or it
     /// is woken (the core's ``BlockRows::quiet``).
-    fn quiet(&self, request: &str, tokens: u64) {
+    fn quiet(&self, request: &str, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = int(tokens, "tokens")?;
         self.with(|r| r.quiet(request, tokens));
+        Ok(())
     }
 
     /// Something outside the rows changed what ``request``'s next step needs.
@@ -181,20 +208,22 @@ impl BlockRows {
     /// mirror: ``hisparse.integrations.vllm.mirrors.RowMirrors`` reads them as vLLM's mapping where it is
     /// read (vLLM's worker). One new row per request per decode step, so the scan is a lookup per request:
     /// the GIL is kept.
-    #[pyo3(signature = (scheduled, computed, lookahead=0, back=None))]
+    #[pyo3(signature = (scheduled, computed, lookahead=None, back=None))]
     fn scan<'py>(
         &self,
         py: Python<'py>,
-        scheduled: &Bound<'py, PyDict>,
-        computed: &Bound<'py, PyDict>,
-        lookahead: u64,
-        back: Option<&Bound<'py, PyDict>>,
+        scheduled: &Bound<'py, PyAny>,
+        computed: &Bound<'py, PyAny>,
+        lookahead: Option<&Bound<'py, PyAny>>,
+        back: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyTuple>, bool, Bound<'py, PyList>)> {
-        let requests = steps(scheduled, computed)?;
+        let lookahead = opt_int::<u64>(lookahead, "lookahead")?.unwrap_or(0);
+        let back = back.filter(|b| !b.is_none()).map(|b| dict(b, "back")).transpose()?;
+        let requests = steps(dict(scheduled, "scheduled")?, dict(computed, "computed")?)?;
         let mut batch = Vec::with_capacity(requests.len());
         for (request, count, start) in &requests {
-            let first = match back {
-                Some(back) => start.saturating_sub(item(back, request)?),
+            let first = match &back {
+                Some(back) => start.saturating_sub(item(back, request, "back")?),
                 None => *start,
             };
             batch.push(Step {
@@ -242,7 +271,7 @@ fn packed<'py, const N: usize>(
 
 /// Native-endian fixed-width integers out of ``bytes``; an error naming ``what`` when the length is not a
 /// whole number of them.
-fn ints<const N: usize, T>(what: &str, bytes: &[u8], from: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
+fn packed_ints<const N: usize, T>(what: &str, bytes: &[u8], from: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
     if bytes.len() % N != 0 {
         return Err(invalid(format!(
             "{what}: {} bytes is not a whole number of {N}-byte integers",
@@ -267,12 +296,13 @@ pub fn unpack_row_mirrors<'py>(
     sources: &[u8],
     destinations: &[u8],
     rows: &[u8],
-    groups: usize,
+    groups: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let counts = ints("counts", counts, u32::from_ne_bytes)?;
-    let sources = ints("sources", sources, i64::from_ne_bytes)?;
-    let destinations = ints("destinations", destinations, i64::from_ne_bytes)?;
-    let rows = ints("rows", rows, i64::from_ne_bytes)?;
+    let groups = int::<usize>(groups, "groups")?;
+    let counts = packed_ints("counts", counts, u32::from_ne_bytes)?;
+    let sources = packed_ints("sources", sources, i64::from_ne_bytes)?;
+    let destinations = packed_ints("destinations", destinations, i64::from_ne_bytes)?;
+    let rows = packed_ints("rows", rows, i64::from_ne_bytes)?;
     let mirrors: usize = counts.iter().map(|&n| n as usize).sum();
     if groups == 0
         || counts.len() != ids.len()

@@ -8,6 +8,7 @@ use hisparse_core::pool_policy::{Admission, PoolPolicy as CorePoolPolicy, PoolSh
 use hisparse_core::HeatSummary;
 use pyo3::prelude::*;
 
+use crate::args::{boolean, bytes, int, ints, opt_int, strings};
 use crate::errors::PyResultExt;
 
 /// Per-request selection heat and the release order derived from it; and the
@@ -33,35 +34,49 @@ impl PoolPolicy {
     /// ``ACTIVE_TAIL_PAGES``), ``low_watermark`` (its coordinator's ``transition_watermark``). All 0 by
     /// default: a policy that only orders releases.
     #[new]
-    #[pyo3(signature = (*, block_size=0, blocks_per_page=0, hot_blocks=0, admission_pages=0, tail_pages=0,
-                        low_watermark=0))]
+    #[pyo3(signature = (*, block_size=None, blocks_per_page=None, hot_blocks=None, admission_pages=None,
+                        tail_pages=None, low_watermark=None))]
     fn new(
-        block_size: usize,
-        blocks_per_page: usize,
-        hot_blocks: usize,
-        admission_pages: usize,
-        tail_pages: usize,
-        low_watermark: usize,
-    ) -> Self {
-        let shape =
-            PoolShape { block_size, blocks_per_page, hot_blocks, admission_pages, tail_pages, low_watermark };
-        Self { inner: Mutex::new(CorePoolPolicy::new()), shape }
+        block_size: Option<&Bound<'_, PyAny>>,
+        blocks_per_page: Option<&Bound<'_, PyAny>>,
+        hot_blocks: Option<&Bound<'_, PyAny>>,
+        admission_pages: Option<&Bound<'_, PyAny>>,
+        tail_pages: Option<&Bound<'_, PyAny>>,
+        low_watermark: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let count = |v, name| opt_int::<usize>(v, name).map(Option::unwrap_or_default);
+        let shape = PoolShape {
+            block_size: count(block_size, "block_size")?,
+            blocks_per_page: count(blocks_per_page, "blocks_per_page")?,
+            hot_blocks: count(hot_blocks, "hot_blocks")?,
+            admission_pages: count(admission_pages, "admission_pages")?,
+            tail_pages: count(tail_pages, "tail_pages")?,
+            low_watermark: count(low_watermark, "low_watermark")?,
+        };
+        Ok(Self { inner: Mutex::new(CorePoolPolicy::new()), shape })
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
     /// ``request_ids[i]``, and each request it lists replaces what was known of it (its release order). A
     /// malformed summary, or one naming a request past ``request_ids``, changes nothing.
-    fn report(&self, py: Python<'_>, summary: &Bound<'_, PyAny>, request_ids: Vec<String>) -> PyResult<()> {
-        let raw = crate::args::bytes(summary, "summary")?;
+    fn report(
+        &self,
+        py: Python<'_>,
+        summary: &Bound<'_, PyAny>,
+        request_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let raw = bytes(summary, "summary")?;
+        let request_ids = strings(request_ids, "request_ids")?;
         let summary = py.detach(|| HeatSummary::decode(&raw)).py()?;
         self.with(|p| p.report(&summary, &request_ids)).py()
     }
 
     /// ``pages`` in the order to release them: the last summary's coldest, then the pages it did not list
     /// (oldest first), then its hottest; without a summary, oldest first.
-    fn release_order(&self, request: &str, mut pages: Vec<u32>) -> Vec<u32> {
+    fn release_order(&self, request: &str, pages: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut pages = ints::<u32>(pages, "pages")?;
         self.with(|p| p.release_order(request, &mut pages));
-        pages
+        Ok(pages)
     }
 
     /// Forgets a request.
@@ -74,8 +89,8 @@ impl PoolPolicy {
     }
 
     /// Whether releasing ``releasable_pages`` pages frees more blocks than a hot region costs.
-    fn worth_transition(&self, releasable_pages: usize) -> bool {
-        self.shape.worth_transition(releasable_pages)
+    fn worth_transition(&self, releasable_pages: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.shape.worth_transition(int(releasable_pages, "releasable_pages")?))
     }
 
     /// For a request not reading through a hot region yet: ``"take"`` one, ``"stay"`` as it is (the pool is
@@ -87,20 +102,25 @@ impl PoolPolicy {
     /// next step allocates for new pages.
     fn transition(
         &self,
-        fills_window: bool,
-        free_blocks: usize,
-        admission_waiting: bool,
-        releasable_pages: usize,
-        next_blocks: usize,
-    ) -> &'static str {
-        self.shape
-            .transition(fills_window, free_blocks, admission_waiting, releasable_pages, next_blocks)
-            .name()
+        fills_window: &Bound<'_, PyAny>,
+        free_blocks: &Bound<'_, PyAny>,
+        admission_waiting: &Bound<'_, PyAny>,
+        releasable_pages: &Bound<'_, PyAny>,
+        next_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<&'static str> {
+        let decision = self.shape.transition(
+            boolean(fills_window, "fills_window")?,
+            int(free_blocks, "free_blocks")?,
+            boolean(admission_waiting, "admission_waiting")?,
+            int(releasable_pages, "releasable_pages")?,
+            int(next_blocks, "next_blocks")?,
+        );
+        Ok(decision.name())
     }
 
     /// Whether a request that never grows past ``longest_tokens`` can never be moved to a hot region.
-    fn never_takes_hot_region(&self, longest_tokens: usize) -> bool {
-        self.shape.never_takes_hot_region(longest_tokens)
+    fn never_takes_hot_region(&self, longest_tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.shape.never_takes_hot_region(int(longest_tokens, "longest_tokens")?))
     }
 
     /// Whether a waiting request of ``tokens`` (``computed_tokens`` of them a prefix hit, scheduled up to
@@ -113,18 +133,29 @@ impl PoolPolicy {
                         owed_hot_blocks, may_take_hot))]
     fn has_headroom(
         &self,
-        tokens: usize,
-        computed_tokens: usize,
-        chunk_tokens: usize,
-        short: bool,
-        free_blocks: usize,
-        running: usize,
-        reading_host: usize,
-        owed_hot_blocks: usize,
-        may_take_hot: bool,
-    ) -> bool {
-        let ask = Admission { tokens, computed_tokens, chunk_tokens, short };
-        let pool = PoolState { free_blocks, running, reading_host, owed_hot_blocks, may_take_hot };
-        self.shape.has_headroom(&ask, &pool)
+        tokens: &Bound<'_, PyAny>,
+        computed_tokens: &Bound<'_, PyAny>,
+        chunk_tokens: &Bound<'_, PyAny>,
+        short: &Bound<'_, PyAny>,
+        free_blocks: &Bound<'_, PyAny>,
+        running: &Bound<'_, PyAny>,
+        reading_host: &Bound<'_, PyAny>,
+        owed_hot_blocks: &Bound<'_, PyAny>,
+        may_take_hot: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let ask = Admission {
+            tokens: int(tokens, "tokens")?,
+            computed_tokens: int(computed_tokens, "computed_tokens")?,
+            chunk_tokens: int(chunk_tokens, "chunk_tokens")?,
+            short: boolean(short, "short")?,
+        };
+        let pool = PoolState {
+            free_blocks: int(free_blocks, "free_blocks")?,
+            running: int(running, "running")?,
+            reading_host: int(reading_host, "reading_host")?,
+            owed_hot_blocks: int(owed_hot_blocks, "owed_hot_blocks")?,
+            may_take_hot: boolean(may_take_hot, "may_take_hot")?,
+        };
+        Ok(self.shape.has_headroom(&ask, &pool))
     }
 }
