@@ -249,6 +249,32 @@ def test_preemption_and_resume_async(policy):
     check_everything_returned(setup)
 
 
+@pytest.mark.parametrize("mode", ["native", "hisparse"])
+def test_a_request_resumed_with_outputs_is_not_preempted_again(mode):
+    """A request preempted after 1,000 outputs (here by vLLM's recovery reset) comes back prefilling its prompt and
+    its outputs. Alone in a small pool under async scheduling and MTP 3, coldest once sized that prefill's chunks
+    from the prompt alone (15 pages where vLLM scheduled 30), granted a hot region the chunk then did not fit
+    beside, and vLLM preempted its only request again, hundreds of times, never finishing (a review's
+    reproducer). It must finish as vLLM's own HiSparse does, preempted once."""
+    setup = H.build(mode=mode, gpu_gib=0.8, max_model_len=8192, host_pool_gib=40, async_scheduling=True,
+                    num_spec_tokens=3, prefix_caching=False, max_num_batched_tokens=2048)
+    sched = setup.scheduler
+    worker = H.FakeWorker(setup, layers=[0], reads=False, data=False)
+    preempted = []
+
+    def on_step(step):
+        if not preempted and sched.requests["r0"].num_output_tokens >= 1000:
+            preempted.append(step)
+            # Under async scheduling vLLM defers the freed blocks past the step in flight, so the pools' reset
+            # that follows the preemption fails (for vLLM's own HiSparse too); the preemption is what counts here.
+            with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+                sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
+    stats = H.run(setup, worker, [H.Job("r0", H.prompt(0, 5000), 1500)], max_steps=1500, num_spec_tokens=3,
+                  on_step=on_step)
+    assert preempted and stats.preemptions == 1
+
+
 # ---------------------------------------------------------------------------------------------- admission
 
 

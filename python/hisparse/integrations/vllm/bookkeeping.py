@@ -533,7 +533,11 @@ class Bookkeeping(HiSparseCoordinator):
 
         Only once every block in use is held by these pins alone (every running request preempted or finished,
         and no block free deferred behind a step in flight): otherwise vLLM's reset fails anyway, and nothing
-        changes here; returns whether it forgot (True also when there was nothing to forget)."""
+        changes here; returns whether it forgot (True also when there was nothing to forget). Under async
+        scheduling vLLM defers the frees of requests preempted while a step is in flight until that step's
+        output is processed (``Scheduler.deferred_frees``, for every connector that loads KV, its own HiSparse
+        included), so a reset that preempts running requests then fails in vLLM; the scheduler's deferred
+        blocks are not the coordinator's to free."""
         if self.host_manager is None or any(manager.req_to_blocks for manager in self.managers):
             return False
         host_pool = self.host_manager.block_pool

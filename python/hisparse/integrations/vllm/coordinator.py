@@ -214,10 +214,11 @@ class HisparseCoordinator(Bookkeeping):
 
     def _next_step_blocks(self, request_id: str) -> int:
         """The blocks the request's next step allocates, every group's and the indexer's for each new page: its
-        next prefill chunk's pages, or a page for a decode (drafts included), whichever it is at."""
+        next prefill chunk's pages, or a page for a decode (drafts included), whichever it is at. A request
+        resumed after a preemption prefills its outputs too, not only its prompt."""
         request = self.requests.get(request_id)
         end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
-        left = 0 if request is None else request.num_prompt_tokens - end
+        left = 0 if request is None else request.num_tokens - end
         tokens = min(left, self.chunk_tokens or left) if left > 0 else 1
         size = self.resident_managers[0].block_size
         pages = -(-(end + tokens) // size) - (-(-end // size))
