@@ -1,4 +1,4 @@
-"""The published GLM-5.3 agent workload (FACTS.md, "The published result"), scaled down to a CPU run, on vLLM
+"""The published GLM-5.3 agent workload (the vLLM blog's GLM-5.3 post, part 1), scaled down to a CPU run, on vLLM
 0.33.0's real scheduler stack (``tests/vllm_harness.py``: vLLM's config, planner, ``AsyncScheduler``, KV cache
 manager, ``MultiConnector`` and ``OffloadingConnector`` with ``TieringOffloadingSpec``; the forward and the
 copy engines are the harness's CPU stand-ins, and every top-K row and indexer key read is checked against what
@@ -125,7 +125,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import numpy as np  # noqa: E402
 import vllm_harness as H  # noqa: E402
 
-# The published run (FACTS.md, "The published result"; GLM-5.3 FP8 on 8xH200 TP8: ~26 GiB of KV per GPU).
+# The published run (the vLLM blog's GLM-5.3 post, part 1; GLM-5.3 FP8 on 8xH200 TP8: ~26 GiB of KV per GPU).
 PUBLISHED = {"first": 74_160, "later": 753, "output": 220, "turns": 13, "max_model_len": 142_000,
              "max_num_batched_tokens": 32_768, "max_num_seqs": 256, "gpu_gib": 26.0, "hisparse_pool_gib": 384.0,
              "offload_gib": 128.0, "baseline_offload_gib": 512.0, "top_k": 2048, "num_spec_tokens": 3}

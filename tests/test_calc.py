@@ -263,7 +263,7 @@ def test_groups_override_changes_count_not_block_size() -> None:
 
 
 def test_presets_without_the_pages_groups_group_layers_as_vllms_planner() -> None:
-    # FACTS.md: DeepSeek-V3.2 under vLLM holds 6 hot groups x 64 blocks (4,096 rows) a request. 32,000 tokens:
+    # vLLM 0.33's layout: DeepSeek-V3.2 under vLLM holds 6 hot groups x 64 blocks (4,096 rows) a request. 32,000 tokens:
     # 500 pages + 6 * 64 + 6 * 2 retained = 896 blocks of 545,792 B (about 0.49 GB), not one group per layer.
     r = calc.calculate(model="deepseek-v3.2", seq_len=32_000)
     assert (r.groups, r.per_request_gpu_blocks) == (6, 896)

@@ -6,7 +6,7 @@ KV cache manager, ``MultiConnector`` and ``OffloadingConnector`` (scheduler side
 the CUDA copy engine, which ``TierCopyWorker`` stands in for: copies made when a job completes, jobs completed
 late and out of order). The fake forward writes a tag per (token, layer) and reads every selected top-K row
 and every indexer key back; a row that differs from what was written, or an exception out of ``schedule()`` /
-``update_from_output()``, fails the run. The published deployment (FACTS.md, "The published result") is the
+``update_from_output()``, fails the run. The published deployment (the vLLM blog's GLM-5.3 post, part 1) is the
 shape: a HiSparse host pool and an OffloadingConnector (``TieringOffloadingSpec``) CPU tier in a
 ``MultiConnector``, HiSparse's child first.
 """

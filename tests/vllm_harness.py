@@ -91,7 +91,7 @@ DSV32 = {
 }
 
 
-# GLM-5.3 (FACTS.md): 78 sparse-MLA layers, IndexShare (IndexCache, arXiv 2603.12201): ``index_topk_freq`` 4 with
+# GLM-5.3 (its config): 78 sparse-MLA layers, IndexShare (IndexCache, arXiv 2603.12201): ``index_topk_freq`` 4 with
 # vLLM's and transformers' default ``index_skip_topk_offset`` 2 puts an indexer in layers 0, 1, 5, 9, ..., 77
 # (21 in all); the others reuse the previous indexer layer's top-K. vLLM's planner makes 21 resident and 21 hot
 # groups of it (1, 4 x 19, 1 layers). 32 x 128 indexer heads, 1M positions; the rest as transformers'
