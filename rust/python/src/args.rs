@@ -84,6 +84,11 @@ pub fn int<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     convert(v, &|| name.to_string())
 }
 
+/// [`int`] with its name worded only for an error: for values read per request on a hot path.
+pub fn int_named<T: Int>(v: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<T> {
+    convert(v, name)
+}
+
 pub fn opt_int<T: Int>(v: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<T>> {
     match v {
         Some(v) if !v.is_none() => int(v, name).map(Some),

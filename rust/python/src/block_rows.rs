@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
-use crate::args::{int, ints, opt_int, opt_ints};
+use crate::args::{int, int_named, ints, opt_int, opt_ints};
 use crate::errors::{invalid, PyResultExt};
 
 /// A row's block ids as Python gives them: ``None`` for a page read from the host.
@@ -32,7 +32,7 @@ fn dict<'a, 'py>(v: &'a Bound<'py, PyAny>, name: &str) -> PyResult<&'a Bound<'py
 /// ``dict[request]`` (the dict named ``name``) as a count.
 fn item<'py>(dict: &Bound<'py, PyDict>, request: &Bound<'py, PyString>, name: &str) -> PyResult<u64> {
     match dict.get_item(request)? {
-        Some(value) => int(&value, &format!("{name}[{request}]")),
+        Some(value) => int_named(&value, &|| format!("{name}[{request}]")),
         None => Err(invalid(format!("{name} has no entry for request {request}"))),
     }
 }
@@ -49,7 +49,8 @@ fn steps<'py>(
             invalid(format!("scheduled's keys must be request ids (str), not {}", e.into_inner()))
         })?;
         let start = item(computed, &request, "computed")?;
-        steps.push((request.clone(), int(&count, &format!("scheduled[{request}]"))?, start));
+        let count = int_named(&count, &|| format!("scheduled[{request}]"))?;
+        steps.push((request, count, start));
     }
     Ok(steps)
 }
