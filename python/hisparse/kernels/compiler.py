@@ -234,8 +234,8 @@ def _read_entry(path: Path) -> tuple[bytes, str] | None:
 def _cached(folder: Path, name: str, build) -> tuple[bytes, str]:
     """``build()``'s (image, log), kept in ``folder`` under ``name``. A lock file keeps concurrent processes
     from building one entry twice; an entry that is not whole is built again, and the temporary files of its
-    writers that died are removed (a writer holds the lock until its file is renamed). A folder that cannot be used
-    (read-only, not a folder) costs a compile per process, not the kernels: they are built in memory."""
+    writers that died are removed (a writer holds the lock until its file is renamed). A folder that cannot
+    be used (read-only, not a folder) costs a compile per process, not the kernels: they are built in memory."""
     built = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -41,8 +41,8 @@ simulated)
   * Hot rows default to the blog's MTP sizing (q + 2) x top_k = 10,240, which is vLLM 0.33's default too
     ((1 + q + 1) x top_k: a decode's query and one top-K of slack); ``--adaptive-hot-rows`` picks one size
     for every request, the largest buffer that lets all ``concurrency`` requests fit. ``--hot-buffers
-    adaptive`` sizes each request's buffer instead: the core
-    still leases regions of one size (it knows no other), and every heat interval the rows of all leased
+    adaptive`` sizes each request's buffer instead: the core still leases regions of one size (it knows no
+    other), and every heat interval the rows of all leased
     regions are shared among their holders in proportion to the rows each selected on its host-only pages per
     decode step (the equal-marginal-gain split of the model's miss curve), each within [one step's selected
     rows, 32,768]; the holders are read from the plans' hot-region updates. Same GPU blocks, same admission:
@@ -1422,7 +1422,8 @@ HELP = """Simulates one serving node step by step -- a vLLM-like scheduler aroun
 a multi-turn workload, and reports running requests, tokens/s, latencies, host-link traffic and hot-buffer hit
 rates for plain residency with CPU offload ("offload") and Hybrid HiSparse ("hisparse", policies coldest and fifo).
 Defaults: the vLLM blog's GLM-5.3 benchmark on 8xH200 (13 turns, 74,160-token first turn, 753-token later turns,
-220 output tokens, concurrency 1-32). This module's docstring gives the model and its sources (README: "Tools")."""
+220 output tokens, concurrency 1-32). python/hisparse/tools/simulate.py's docstring gives the model and its
+sources (README: "Tools")."""
 
 
 def add_parser(subparsers: Any) -> None:
