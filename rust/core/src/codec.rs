@@ -107,3 +107,16 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 }
+
+/// Every single-bit change of `bytes` (an encoding) is refused by `decode` or is the encoding of the value it
+/// decodes to (`reencode` gives that encoding, `None` for a refusal): one value, one encoding.
+#[cfg(test)]
+pub(crate) fn assert_one_encoding(bytes: &[u8], reencode: impl Fn(&[u8]) -> Option<Vec<u8>>) {
+    for bit in 0..bytes.len() * 8 {
+        let mut changed = bytes.to_vec();
+        changed[bit / 8] ^= 1 << (bit % 8);
+        if let Some(again) = reencode(&changed) {
+            assert_eq!(again, changed, "bit {bit} decodes to a value that encodes otherwise");
+        }
+    }
+}

@@ -330,12 +330,6 @@ mod tests {
         // Every single-bit change of an encoded plan (padding and a cleared hot update's slots included) is
         // either refused or the encoding of the plan it decodes to: one plan, one encoding.
         let bytes = sample().encode(); // a cleared hot update among them
-        for bit in 0..bytes.len() * 8 {
-            let mut changed = bytes.clone();
-            changed[bit / 8] ^= 1 << (bit % 8);
-            if let Ok(other) = StepPlan::decode(&changed) {
-                assert_eq!(other.encode(), changed, "bit {bit} decodes to a plan that encodes otherwise");
-            }
-        }
+        codec::assert_one_encoding(&bytes, |b| StepPlan::decode(b).ok().map(|p| p.encode()));
     }
 }

@@ -141,54 +141,49 @@ fn too_long(name: &str) -> PyErr {
     invalid(format!("{name} has more than {MAX_ELEMENTS} elements"))
 }
 
-pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
+/// Each element of the sequence `v` read by `read(index, element)`, refused past [`MAX_ELEMENTS`].
+fn elements<'py, T>(
+    v: &Bound<'py, PyAny>,
+    name: &str,
+    mut read: impl FnMut(usize, Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
     let mut out = room(v);
     for (i, item) in sequence(v, name)?.enumerate() {
         if i == MAX_ELEMENTS {
             return Err(too_long(name));
         }
-        out.push(convert(&item?, &|| format!("{name}[{i}]"))?);
+        out.push(read(i, item?)?);
     }
     Ok(out)
+}
+
+pub fn ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
+    elements(v, name, |i, item| convert(&item, &|| format!("{name}[{i}]")))
 }
 
 /// A sequence of integers or ``None`` (e.g. a row's block ids, ``None`` where a page has no block).
 pub fn opt_ints<T: Int>(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Option<T>>> {
-    let mut out = room(v);
-    for (i, item) in sequence(v, name)?.enumerate() {
-        if i == MAX_ELEMENTS {
-            return Err(too_long(name));
+    elements(v, name, |i, item| {
+        if item.is_none() {
+            return Ok(None);
         }
-        let item = item?;
-        out.push(if item.is_none() { None } else { Some(convert(&item, &|| format!("{name}[{i}]"))?) });
-    }
-    Ok(out)
+        convert(&item, &|| format!("{name}[{i}]")).map(Some)
+    })
 }
 
 /// A sequence of strings (e.g. request ids), not one string taken apart.
 pub fn strings(v: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<String>> {
-    let mut out = room(v);
-    for (i, item) in sequence(v, name)?.enumerate() {
-        if i == MAX_ELEMENTS {
-            return Err(too_long(name));
-        }
-        let item = item?;
+    elements(v, name, |i, item| {
         let text = item
             .cast::<PyString>()
             .map_err(|_| invalid(format!("{name}[{i}] must be a str, not {}", type_name(&item))))?;
-        out.push(text.to_str()?.to_owned());
-    }
-    Ok(out)
+        Ok(text.to_str()?.to_owned())
+    })
 }
 
 /// A sequence of pairs of integers, e.g. `[(request_id, new_tokens), ...]`.
 pub fn pairs<A: Int, B: Int>(v: &Bound<'_, PyAny>, name: &str, what: (&str, &str)) -> PyResult<Vec<(A, B)>> {
-    let mut out = room(v);
-    for (i, item) in sequence(v, name)?.enumerate() {
-        if i == MAX_ELEMENTS {
-            return Err(too_long(name));
-        }
-        let item = item?;
+    elements(v, name, |i, item| {
         let not_a_pair =
             || invalid(format!("{name}[{i}] must be a pair ({}, {}), not {item}", what.0, what.1));
         // Tuples, what engines pass, are read in place; any other pair-like sequence is iterated.
@@ -203,12 +198,11 @@ pub fn pairs<A: Int, B: Int>(v: &Bound<'_, PyAny>, name: &str, what: (&str, &str
                 (a, b)
             }
         };
-        out.push((
+        Ok((
             convert(&a, &|| format!("{name}[{i}] {}", what.0))?,
             convert(&b, &|| format!("{name}[{i}] {}", what.1))?,
-        ));
-    }
-    Ok(out)
+        ))
+    })
 }
 
 /// Bytes as given (`bytes` or `bytearray`), copied out while the GIL is held.
