@@ -4,6 +4,8 @@ local-memory spills, within the static shared memory the launch arithmetic count
 Runs on CPU: NVRTC needs no GPU. Run with -s to see the register report.
 """
 
+import os
+
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -43,6 +45,19 @@ def test_ptx_target():
     assert all(f".entry {k}(" in text for k in compiler.KERNELS["copy"])
 
 
+def test_compiling_leaves_the_interpreters_shared_bytes_alone(tmp_path, monkeypatch):
+    # A PTX build's log is empty: one byte, NVRTC's terminating NUL. Read into ``b" " * 1``, which is
+    # CPython's one shared b" ", it turned every one-byte space in the process into b"\0".
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
+    compiler.compile_kernel_source.cache_clear()
+    try:
+        for arch in ("compute_90", "sm_90"):
+            compiler.compile_kernel_source("copy", arch)
+    finally:
+        compiler.compile_kernel_source.cache_clear()
+    assert b" "[0] == bytes([32])[0] == 0x20 and b"a b".split(b" ") == [b"a", b"b"]
+
+
 def test_disk_cache_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
     compiler.compile_kernel_source.cache_clear()
@@ -75,6 +90,29 @@ def test_an_entry_that_is_not_whole_is_built_again(tmp_path, monkeypatch):
         again = compiler.compile_kernel_source("copy", "sm_90")
         assert again.image == good.image and again.resources == good.resources
         assert compiler._read_entry(entry)[0] == good.image  # whole again (its log's compile times differ)
+    compiler.compile_kernel_source.cache_clear()
+
+
+def test_an_entry_is_read_only_under_the_name_it_was_written_as(tmp_path, monkeypatch):
+    """Another key's whole entry copied into place (here the sm_80 cubin where sm_90's belongs) is built again,
+    not loaded for the wrong target; so is a FIFO, which would block the read forever."""
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
+    compiler.compile_kernel_source.cache_clear()
+    sm80 = compiler.compile_kernel_source("copy", "sm_80")
+    sm90 = compiler.compile_kernel_source("copy", "sm_90")
+    assert sm80.image != sm90.image
+    folder = tmp_path / "kernels"
+    (entry80,) = folder.glob("copy-sm_80-*.cubin")
+    (entry90,) = folder.glob("copy-sm_90-*.cubin")
+    entry90.write_bytes(entry80.read_bytes())
+    assert compiler._read_entry(entry90) is None
+    compiler.compile_kernel_source.cache_clear()
+    assert compiler.compile_kernel_source("copy", "sm_90").image == sm90.image
+    entry90.unlink()
+    os.mkfifo(entry90)
+    compiler.compile_kernel_source.cache_clear()
+    assert compiler.compile_kernel_source("copy", "sm_90").image == sm90.image
+    assert entry90.is_file()
     compiler.compile_kernel_source.cache_clear()
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,9 +139,9 @@ def select_arch(capability: tuple[int, int], driver_version: int) -> str:
 
 def _program_log(prog) -> str:
     (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
+    buf = bytearray(size)  # NVRTC writes into it: never an immutable bytes (b" " * 1 is CPython's shared b" ")
     _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return buf.rstrip(b"\0").decode(errors="replace")
+    return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
@@ -186,9 +187,9 @@ def _compile(name: str, source: bytes, headers: dict[str, bytes], options: list[
         else:
             get_size, get = nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX
         (size,) = _check(get_size(prog), "reading the image size")
-        image = b" " * size
+        image = bytearray(size)  # written by NVRTC (see _program_log)
         _check(get(prog, image), "reading the image")
-        return image, log
+        return bytes(image), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -206,26 +207,35 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-#: A cache entry: this line, the SHA-256 of the rest, the log's length (8 bytes), the log, the image.
-_ENTRY_MAGIC = b"hisparse kernel cache entry 1\n"
+#: A cache entry: this line, the SHA-256 of the entry's file name and the rest, the log's length (8 bytes),
+#: the log, the image. The name (the key) is in the checksum, so an entry is only ever read as the one it was
+#: written as: a file copied or renamed over another key's is built again.
+_ENTRY_MAGIC = b"hisparse kernel cache entry 2\n"
 
 
-def _pack_entry(image: bytes, log: str) -> bytes:
+def _entry_checksum(name: str, body: bytes) -> bytes:
+    return hashlib.sha256(len(name).to_bytes(8, "little") + name.encode() + body).digest()
+
+
+def _pack_entry(name: str, image: bytes, log: str) -> bytes:
     text = log.encode()
     body = len(text).to_bytes(8, "little") + text + image
-    return _ENTRY_MAGIC + hashlib.sha256(body).digest() + body
+    return _ENTRY_MAGIC + _entry_checksum(name, body) + body
 
 
 def _read_entry(path: Path) -> tuple[bytes, str] | None:
-    """The image and log the entry at ``path`` holds, or None when there is none whole: absent, truncated,
-    corrupted, or written by an earlier version (then it is built again)."""
+    """The image and log the entry at ``path`` holds, or None when there is none whole: absent, not a regular
+    file (a FIFO would block the read), truncated, corrupted, written under another name, or by an earlier
+    version (then it is built again)."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
         data = path.read_bytes()
     except FileNotFoundError:
         return None
     head = len(_ENTRY_MAGIC) + 32
     body = data[head:]
-    if not data.startswith(_ENTRY_MAGIC) or len(body) < 8 or hashlib.sha256(body).digest() != data[head - 32:head]:
+    if not data.startswith(_ENTRY_MAGIC) or len(body) < 8 or _entry_checksum(path.name, body) != data[head - 32:head]:
         return None
     n = int.from_bytes(body[:8], "little")
     return body[8 + n:], body[8:8 + n].decode(errors="replace")
@@ -249,7 +259,7 @@ def _cached(folder: Path, name: str, build) -> tuple[bytes, str]:
                     for torn in folder.glob(f".{name}.*"):  # left by a writer killed before its rename
                         torn.unlink(missing_ok=True)
                     entry = built = build()
-                    _atomic_write(path, _pack_entry(*built))
+                    _atomic_write(path, _pack_entry(name, *built))
         return entry
     except OSError as e:
         logger.warning("hisparse: the kernel cache %s cannot be used (%s): compiling in memory", folder, e)
