@@ -324,6 +324,30 @@ def test_a_resync_makes_the_worker_its_schedulers_whatever_it_names():
         run_step(a, worker, [("r", 1)])
 
 
+def test_a_stale_resync_is_refused_and_changes_nothing():
+    """A resync delivered again after later steps (a retransmit, a replayed queue) would take the worker back
+    and redo its page copies over host blocks that hold other pages by then; so would one of a scheduler the
+    worker has left for another's resync."""
+    (a, worker), (b, _) = pair(), pair()
+    for sched in (a, b):
+        sched.admit("r", 16)
+    run_step(a, worker, [("r", 16)])
+    old = a.resync_worker()
+    worker.apply(old)
+    a.apply_results(worker.end_step())
+    run_step(a, worker, [("r", 1)])
+    host, last = worker.dp.host.clone(), worker.last_step
+    with pytest.raises(CallOrderError, match="stale resync"):
+        worker.apply(old)
+    assert worker.last_step == last and worker.in_step is None and torch.equal(worker.dp.host, host)
+    run_step(a, worker, [("r", 1)])  # a goes on
+    worker.apply(b.resync_worker())
+    b.apply_results(worker.end_step())
+    with pytest.raises(CallOrderError, match="stale resync"):
+        worker.apply(a.resync_worker())
+    run_step(b, worker, [("r", 1)])
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_results_pickle_under_every_protocol(protocol):
     results = StepResults(step=3, completed=(1, 2), failed=(4,), heat=b"x", hits=5, misses=6, h2d_bytes=7,
@@ -418,3 +442,67 @@ def test_a_step_pickles_with_its_checks():
     assert WorkerStep(step.step, step.plan.to_bytes(), ["a"]).plan == step.plan
     resync = pickle.loads(pickle.dumps(sched.resync_worker()))
     assert resync.resync and resync.step == step.step + 1 and resync.request_ids == ("a",)  # redoes step 1
+
+
+def test_a_request_finished_while_its_step_is_planned_leaves_the_hooks_usable():
+    """An engine's abort thread may finish() a request while plan_step is in the core (the GIL released): the
+    step still names every request it planned, and the scheduler goes on (it used to raise KeyError with its
+    step counted outstanding, refusing every plan after)."""
+    sched, worker = pair()
+    for rid in ("a", "b"):
+        sched.admit(rid, 16)
+    real = sched.manager
+
+    class AbortDuringPlan:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def plan_step(self, core):
+            plan = real.plan_step(core)
+            sched.finish("b")
+            return plan
+
+    sched.manager = AbortDuringPlan()
+    step = sched.plan_step([("a", 16), ("b", 16)])
+    sched.manager = real
+    assert step.request_ids == ("a", "b") and "b" not in sched
+    worker.apply(step)
+    sched.apply_results(worker.end_step())
+    run_step(sched, worker, [("a", 1)])
+
+
+def test_request_ids_of_a_str_subclass_are_kept_as_their_string():
+    class Rid(str):  # its own __eq__, so no __hash__: unusable as a dict key itself
+        def __eq__(self, other):
+            return str.__eq__(self, other)
+
+    sched, worker = pair()
+    sched.admit(Rid("a"), 16)
+    assert Rid("a") in sched and "a" in sched
+    assert run_step(sched, worker, [(Rid("a"), 16)]).request_ids == ("a",)
+    sched.finish(Rid("a"))
+    assert "a" not in sched and sched.manager.stats()["running"] == 0
+    sched.admit("a", 16)  # the name is free again
+
+
+def test_a_slab_or_pool_replaced_with_another_number_of_layers_is_refused():
+    """A copy runs over the layers both sides have: a missing layer would be reported copied, never being."""
+    _, worker = pair()
+    dp = worker.dp
+    with pytest.raises(InvalidArgumentError, match="gpu must hold 3 layers, not 2"):
+        dp.gpu = list(dp.gpu[:2])
+    with pytest.raises(InvalidArgumentError, match="host must hold 3 layers, not 2"):
+        dp.host = dp.host[:2]
+    dp.gpu, dp.host = list(dp.gpu), dp.host.clone()  # whole ones are taken
+
+
+def test_a_worker_rebuilt_over_a_used_data_path_reports_only_its_own_counts():
+    sched, worker = pair()
+    sched.admit("a", 16)
+    run_step(sched, worker, [("a", 16)])
+    worker.dp.state["counters"].copy_(torch.tensor([5, 6, 7]))  # what the resolver counted for the old hooks
+    again = WorkerHooks(worker.dp)
+    again.apply(sched.resync_worker())
+    results = again.end_step()
+    assert (results.hits, results.misses, results.h2d_bytes) == (0, 0, 0)
+    sched.apply_results(results)

@@ -582,7 +582,26 @@ class DataPath:
     def gpu(self, slab: torch.Tensor | Sequence[torch.Tensor]) -> None:
         if not isinstance(slab, (torch.Tensor, list, tuple)):
             raise InvalidArgumentError(f"gpu must be a tensor or a list of layer tensors, not {type(slab).__name__}")
-        self._gpu = slab if isinstance(slab, torch.Tensor) else tuple(slab)
+        self._gpu = self._layers("gpu", slab if isinstance(slab, torch.Tensor) else tuple(slab))
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host pool, ``[layers, rows, row_bytes]``; replaced whole, it is checked again at the next use."""
+        return self._host
+
+    @host.setter
+    def host(self, pool: torch.Tensor) -> None:
+        if not isinstance(pool, torch.Tensor):
+            raise InvalidArgumentError(f"host must be a tensor, not {type(pool).__name__}")
+        self._host = self._layers("host", pool)
+
+    def _layers(self, name: str, layers):
+        """``layers`` if it holds one layer per layer of the layout (a copy stops at the shorter side: a missing
+        layer would be marked copied and never be): the rest of its checks come at the next use."""
+        count = len(layers) if not isinstance(layers, torch.Tensor) or layers.dim() else 0
+        if count != self.layout.num_layers:
+            raise InvalidArgumentError(f"{name} must hold {self.layout.num_layers} layers, not {count}")
+        return layers
 
     def _page_mover(self):
         """The page mover (side streams) of this slab and pool (built again if either was replaced)."""

@@ -48,7 +48,10 @@ The order is enforced; a call out of order raises :class:`CallOrderError` and ch
   (it was rebuilt, or missed steps) raises :class:`StepGapError`: the scheduler's ``resync_worker()`` then
   gives the step that brings it to the current state, which every worker applies.
 * one scheduler, one worker state: each step carries its scheduler's identity, and its results carry it back.
-  A scheduler refuses the results of another's step, and a worker another scheduler's step but a resync.
+  A scheduler refuses the results of another's step, and a worker another scheduler's step but a resync. A
+  resync is refused too once it is stale: its scheduler's steps have gone past it on this worker, or the
+  worker has left its scheduler for another's resync (a resync delivered again would take the worker back and
+  redo old page copies over host blocks that now hold other pages).
 
 With tensor parallelism every worker applies the same steps; any one worker's results (they are the same
 copies and the same selections) go to ``apply_results``.
@@ -294,7 +297,7 @@ class SchedulerHooks:
             raise UnknownRequestError(f"no admitted request has core id {core_id!r}") from None
 
     def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, str) and request_id in self._ids
+        return isinstance(request_id, str) and _check_request_id(request_id) in self._ids
 
     @property
     def config(self) -> dict:
@@ -343,6 +346,7 @@ class SchedulerHooks:
 
     def finish(self, request_id: str) -> None:
         """Ends a request (finished or aborted); every block it holds goes back."""
+        request_id = _check_request_id(request_id)
         core = self.core_id(request_id)
         self.manager.finish(core)
         del self._ids[request_id]
@@ -372,12 +376,11 @@ class SchedulerHooks:
         ids = self._ids
         try:
             core = [(ids[rid], n) for rid, n in pairs]
-        except KeyError:
-            for rid, _ in pairs:
-                self.core_id(rid)  # raises the precise error (not a string, or not admitted)
-            raise
-        except (TypeError, ValueError):
-            raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
+        except (KeyError, TypeError, ValueError):
+            core = [self._core_pair(pair) for pair in pairs]  # ids given as str subclasses, or a precise error
+        # Named before the core call: an engine's abort thread may finish() one of them meanwhile.
+        names = self._names
+        request_ids = tuple([names[core_id] for core_id, _ in core])
         plan = self.manager.plan_step(core)
         self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
@@ -385,9 +388,14 @@ class SchedulerHooks:
             return WorkerStep._of_plan(0, plan, (), scheduler=self._identity)
         self._steps += 1
         self._outstanding = self._steps
-        names = self._names
-        return WorkerStep._of_plan(self._steps, plan, tuple([names[core_id] for core_id, _ in core]),
-                                   scheduler=self._identity)
+        return WorkerStep._of_plan(self._steps, plan, request_ids, scheduler=self._identity)
+
+    def _core_pair(self, pair: Any) -> tuple[int, Any]:
+        try:
+            request_id, tokens = pair
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
+        return self.core_id(request_id), tokens
 
     def resync_worker(self) -> WorkerStep:
         """The step that brings a rebuilt worker (a new process, a crashed rank, one whose ``apply`` raised
@@ -537,9 +545,11 @@ class WorkerHooks:
         self._step: WorkerStep | None = None  # the step in its forward
         self._last = 0
         self._scheduler = 0  # the WorkerStep.scheduler of the steps applied (0: none said yet)
+        self._left: set[int] = set()  # the schedulers this worker left for another's resync
         self._in_flight: list[_InFlight] = []
         self._summaries: list[HeatSummaryInFlight] = []
-        self._counters = _LaggedCounters(datapath.device)
+        # From the counts the data path holds now: a worker rebuilt over a used one reports only its own steps.
+        self._counters = _LaggedCounters(datapath.device, last=tuple(datapath.state["counters"].tolist()))
 
     @classmethod
     def build(cls, layout: Layout, device: str | torch.device = "cpu", *,
@@ -595,15 +605,24 @@ class WorkerHooks:
                 f"apply() of a short plan ({step.missing_blocks} blocks missing): it changed nothing and must not "
                 f"be applied; plan again"
             )
-        # A resync step is applied whatever this worker applied before.
-        if not step.resync and step.scheduler and self._scheduler and step.scheduler != self._scheduler:
+        other = bool(step.scheduler and self._scheduler and step.scheduler != self._scheduler)
+        if step.resync:
+            # Applied whatever this worker applied before, unless it is an old one delivered again (step numbers
+            # are per scheduler: compared only when the step names this worker's).
+            same = step.scheduler and step.scheduler == self._scheduler
+            if step.scheduler in self._left or (same and step.step <= self._last):
+                raise CallOrderError(
+                    f"apply() of a stale resync step ({step.step}): this worker has applied later steps of its "
+                    f"scheduler (last: {self._last}) or left it for another scheduler's resync"
+                )
+        elif other:
             raise StepGapError(
                 f"apply() of step {step.step} of another scheduler than the steps this worker applied: its state "
                 f"is that scheduler's; apply the new scheduler's SchedulerHooks.resync_worker() step instead"
             )
-        if not step.resync and step.step <= self._last:
+        elif step.step <= self._last:
             raise CallOrderError(f"the plan of step {step.step} was applied already (last applied: {self._last})")
-        if not step.resync and step.step != self._last + 1:
+        elif step.step != self._last + 1:
             raise StepGapError(
                 f"apply() of step {step.step} skips step {self._last + 1}: this worker was rebuilt or missed steps; "
                 f"apply the step of SchedulerHooks.resync_worker() instead"
@@ -617,6 +636,8 @@ class WorkerHooks:
         self._step = step
         self._last = step.step
         # A resync makes the worker its scheduler's, whatever it held before.
+        if other:
+            self._left.add(self._scheduler)
         self._scheduler = step.scheduler if step.resync else step.scheduler or self._scheduler
         return started
 
