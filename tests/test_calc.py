@@ -212,13 +212,15 @@ def test_max_seqs_binds() -> None:
     assert r.limiter == "max_seqs"
 
 
-def test_baseline_when_hisparse_does_not_help() -> None:
-    # max_seqs 3 caps both: min(3, 39) = 3 is not above baseline 3 -> min host 0, pool 16 GiB
+def test_the_cap_is_the_limiter_when_it_holds_all_kv_on_the_gpu_already() -> None:
+    # max_seqs 3 caps both: min(3, 39) = 3 is not above baseline 3 -> min host 0, pool 16 GiB. The cap binds,
+    # not the baseline (which would hold 4): "HiSparse does not beat keeping all KV on the GPU" would mislead.
     r = calc.calculate(max_seqs=3)
     assert (r.baseline_total, r.hisparse_total, r.min_host_gib) == (3, 3, 0)
     assert r.host_pool_gib == 16
     assert r.multiplier == 1.0
-    assert r.limiter == "baseline"
+    assert r.limiter == "max_seqs"
+    assert calc.calculate(max_seqs=4).limiter == "max_seqs"  # the baseline's own 4
 
 
 def test_host_pool_cap_at_4096() -> None:
@@ -505,6 +507,7 @@ if given is not None:
         elif r.kv_hbm_gib > 0 and r.baseline_per_replica > 0:
             # the GPU would hold more through HiSparse, but for the host pool: then that is the limiter
             gpu_more = min(max_seqs, r.gpu_limit_per_replica) > r.baseline_per_replica
-            assert r.limiter == ("host" if gpu_more else "baseline")
+            capped = r.baseline_per_replica >= max_seqs
+            assert r.limiter == ("max_seqs" if capped else "host" if gpu_more else "baseline")
         if r.multiplier is not None:
             assert r.multiplier >= 1.0

@@ -183,10 +183,13 @@ def test_the_issue_cases(capsys) -> None:
         assert text in assert_refused(list(argv), capsys), argv
 
 
-def test_suggested_fit_is_enough_and_a_little_less_is_not() -> None:
-    """The pool check asks the engine for the fewest blocks; the --fit it suggests passes, just under it fails."""
+@pytest.mark.parametrize("requests, prompt_len, new_tokens, shared", [(2, 256, 8, 128), (1, 1, 1, 0)])
+def test_suggested_fit_is_enough_and_a_little_less_is_not(requests, prompt_len, new_tokens, shared) -> None:
+    """The pool check asks the engine for the fewest blocks; the --fit it suggests passes, a hundredth less fails
+    (the pool rounds fit x pages: a suggestion rounded up from blocks / pages was up to half a page too high)."""
     def config(fit: float) -> demo.DemoConfig:
-        return demo.DemoConfig(requests=2, prompt_len=256, new_tokens=8, shared_tokens=128, fit=fit)
+        return demo.DemoConfig(requests=requests, prompt_len=prompt_len, new_tokens=new_tokens,
+                               shared_tokens=shared, fit=fit)
 
     model = demo.TinyDSA(demo.check(config(0.5)))
     with pytest.raises(ConfigError, match="raise --fit to at least") as exc:
@@ -195,7 +198,7 @@ def test_suggested_fit_is_enough_and_a_little_less_is_not() -> None:
     assert fit > 1  # resident and offload keep a request whole; hisparse needs a hot region and a watermark
     assert demo.check_pools(model, config(fit), demo.MODES) >= config(fit).unlimited_blocks
     with pytest.raises(ConfigError, match="raise --fit"):
-        demo.check_pools(model, config(fit - 0.1), demo.MODES)
+        demo.check_pools(model, config(round(fit - 0.01, 2)), demo.MODES)
 
 
 def test_a_hisparse_error_from_a_run_is_one_line(monkeypatch, capsys) -> None:
@@ -368,3 +371,33 @@ def test_progress_off_a_terminal_is_a_line_every_few_seconds_and_at_each_quarter
     bar.close()
     # Quiet for 2 s (a quick run prints nothing); then a line at once, 5 s later, and at each new quarter.
     assert [line.split("] ")[1].split()[1] for line in stream.getvalue().splitlines()] == ["2.0", "7.0", "7.1", "7.3"]
+
+
+def test_a_plot_that_cannot_be_written_keeps_the_printed_results(monkeypatch, tmp_path, capsys) -> None:
+    """The plot's folder checked before the run can be gone by its end: the results are printed first, then one
+    line says why the plot is missing (it used to be a traceback and no results)."""
+    monkeypatch.undo()
+    target = tmp_path / "gone" / "x.png"
+    target.parent.mkdir()
+
+    def folder_removed(result, path):
+        target.parent.rmdir()
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(demo, "plot", folder_removed)
+    status, out, err = run(["demo", "--requests", "2", "--prompt-len", "64", "--new-tokens", "4", "--json",
+                            "--no-progress", "--plot", str(target)], capsys)
+    assert status == 1 and json.loads(out)["all_identical"]
+    assert err.count("\n") == 1 and str(target) in err
+    link = tmp_path / "link.png"
+    link.symlink_to(tmp_path / "missing" / "x.png")  # a dangling link is refused before the run, like its target
+    assert "no such folder" in assert_refused(["demo", "--plot", str(link)], capsys)
+
+
+def test_an_interrupt_while_the_tool_loads_is_one_line(monkeypatch, capsys) -> None:
+    def interrupted(command):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("hisparse.cli.build_parser", interrupted)
+    status, out, err = run(["demo"], capsys)
+    assert (status, out) == (130, "") and err == "hisparse demo: error: interrupted\n"

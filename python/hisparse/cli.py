@@ -78,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(command if command in COMMANDS else None)
     except ImportError as exc:  # a tool's dependency (torch, the compiled core) is missing
         return _fail(f"hisparse {command}", f"cannot load this tool: {exc}", 1)
+    except KeyboardInterrupt:  # while the tool's imports (torch: seconds) load
+        return _fail(f"hisparse {command}" if command in COMMANDS else "hisparse", "interrupted", 130)
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.error(f"choose a command: {', '.join(COMMANDS)}")
@@ -97,3 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `hisparse calc | head -1`: the reader left; say nothing more on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as exc:  # a file it names (the plot's folder removed during the run): results are printed
+        if exc.filename is None:
+            raise
+        return _fail(prog, exc, 1)

@@ -195,7 +195,10 @@ def check_pools(model: TinyDSA, cfg: DemoConfig, modes: Sequence[str]) -> int:
     if short:
         need = {mode: _fewest_blocks(model, cfg, mode, cfg.gpu_blocks) for mode in short}
         mode = max(need, key=need.__getitem__)
+        # The least --fit, in hundredths, whose pool (rounded, as gpu_blocks does) holds the blocks needed.
         fit = math.ceil(100 * (need[mode] - 1) / cfg.pages_per_request) / 100
+        while fit > 0.01 and replace(cfg, fit=round(fit - 0.01, 2)).gpu_blocks >= need[mode]:
+            fit = round(fit - 0.01, 2)
         raise ConfigError(f"--fit {cfg.fit:g} gives a GPU pool of {cfg.gpu_blocks - 1} blocks, too small for one "
                           f"request of {cfg.max_len} tokens in {', '.join(short)} ({mode}: {short[mode]}); raise "
                           f"--fit to at least {fit:g}")
@@ -409,12 +412,9 @@ def main(args: argparse.Namespace) -> int:
                      layers=args.layers, index_share=args.index_share, seed=args.seed, device=args.device,
                      shared_tokens=min(DemoConfig.shared_tokens, args.prompt_len // 2))
     result = run_demo(cfg, modes, progress=not args.no_progress)
+    print(json.dumps(result) if args.json else format_table(result), flush=True)  # kept should the plot fail
     if args.plot:
         plot(result, args.plot)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(format_table(result))
-        if args.plot:
+        if not args.json:
             print(f"plot: {args.plot}")
     return 0 if result["all_identical"] else 1

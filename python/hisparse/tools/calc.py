@@ -486,7 +486,7 @@ def calculate(
         raise CalcError("give hot_rows or mtp, not both (mtp K sizes hot rows as (K + 2) * top_k)")
     if mtp is not None:
         mtp = _require_int("mtp", mtp, 0)
-        hot_rows = _require_int("hot rows of mtp", (mtp + 2) * preset.top_k, 1)
+        hot_rows = _require_int("the hot rows --mtp asks for, (mtp + 2) x top_k,", (mtp + 2) * preset.top_k, 1)
     elif hot_rows is None:
         hot_rows = 2 * preset.top_k
     else:
@@ -567,6 +567,8 @@ def calculate(
     elif offloaded > baseline:
         limiter = min(("max_seqs", max_seqs), ("gpu", gpu_limit), ("host", host_limit),
                       key=lambda kv_: kv_[1])[0]
+    elif baseline >= max_seqs:  # the cap binds with all KV on the GPU already
+        limiter = "max_seqs"
     elif baseline > 0:  # the GPU would hold more through HiSparse: then the host pool is what holds it back
         limiter = "host" if gpu_bound > baseline else "baseline"
     else:

@@ -239,8 +239,8 @@ class SimConfig:
                               f"for {self.model}) or lower --turns, --first-turn-tokens, --later-turn-tokens or "
                               f"--output-tokens")
         if self.speculative_tokens < 0 or not 1.0 <= self.accept_length <= self.speculative_tokens + 1:
-            raise ConfigError(f"accept_length must lie in [1, speculative_tokens + 1 = {self.speculative_tokens + 1}], "
-                              f"got {self.accept_length}")
+            raise ConfigError(f"accept_length (--accept-length) must lie in [1, speculative_tokens (--mtp) + 1 = "
+                              f"{self.speculative_tokens + 1}], got {self.accept_length}")
 
     def prompt(self, turn: int) -> int:
         """Prompt of turn ``turn`` (0-based): the conversation so far plus the new user tokens."""
@@ -1603,17 +1603,19 @@ def main(args: argparse.Namespace) -> int:
     console.require_memory(need, what, "lower --concurrency, --duration or --steps")
     for i, cfg in enumerate(configs):
         if i not in refused:
-            Simulation(cfg)
+            try:
+                Simulation(cfg)
+            except ConfigError as exc:  # the core's check names its own fields: say which flags set them
+                raise ConfigError(f"{exc} (the GPU pool is --kv-hbm-gib's; the hot rows --hot-rows', or (--mtp + 2) "
+                                  f"x top_k by default)") from None
     t0 = time.monotonic()
     result = simulate(configs, progress=args.progress, refused=refused, keep_going=args.mode == "both")
     wall = time.monotonic() - t0
+    # Printed first: kept should the plot fail.
+    print(json.dumps(to_json(result), indent=2) if args.json else format_table(result, wall_s=wall), flush=True)
     if args.plot:
         plot(result["points"], args.plot)
-    if args.json:
-        print(json.dumps(to_json(result), indent=2))
-    else:
-        print(format_table(result, wall_s=wall))
-        if args.plot:
+        if not args.json:
             print(f"plot written to {args.plot}")
     return 0
 
