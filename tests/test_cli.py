@@ -7,6 +7,7 @@ depend on the machine. A few cases go through a subprocess to show that no trace
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import itertools
@@ -387,11 +388,37 @@ def test_a_plot_that_cannot_be_written_keeps_the_printed_results(monkeypatch, tm
     monkeypatch.setattr(demo, "plot", folder_removed)
     status, out, err = run(["demo", "--requests", "2", "--prompt-len", "64", "--new-tokens", "4", "--json",
                             "--no-progress", "--plot", str(target)], capsys)
-    assert status == 1 and json.loads(out)["all_identical"]
-    assert err.count("\n") == 1 and str(target) in err
+    assert status == 2 and json.loads(out)["all_identical"]
+    assert err.count("\n") == 1 and f"--plot {target}: the plot could not be written" in err
+
+
+def test_a_plot_is_written_when_stdouts_reader_has_left() -> None:
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    drawn = []
+    stdout, sys.stdout = sys.stdout, Gone()
+    try:
+        with pytest.raises(BrokenPipeError):
+            console.print_then_plot("results", "x.png", drawn.append, say_where=True)
+    finally:
+        sys.stdout = stdout
+    assert drawn == ["x.png"]
+
+
+def test_a_plot_link_is_checked_where_it_points_and_named_as_given(tmp_path) -> None:
+    """A link's folder is its target's (a dangling one is refused before the run); its extension is the link's
+    own, which is the format matplotlib writes through it."""
+    from hisparse.tools import argtypes
+
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "missing" / "x.png")
+    with pytest.raises(argparse.ArgumentTypeError, match="no such folder"):
+        argtypes.plot_path(str(dangling))
     link = tmp_path / "link.png"
-    link.symlink_to(tmp_path / "missing" / "x.png")  # a dangling link is refused before the run, like its target
-    assert "no such folder" in assert_refused(["demo", "--plot", str(link)], capsys)
+    link.symlink_to(tmp_path / "target.out")
+    assert argtypes.plot_path(str(link)) == str(link)
 
 
 def test_an_interrupt_while_the_tool_loads_is_one_line(monkeypatch, capsys) -> None:

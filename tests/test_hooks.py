@@ -346,6 +346,15 @@ def test_a_stale_resync_is_refused_and_changes_nothing():
     with pytest.raises(CallOrderError, match="stale resync"):
         worker.apply(a.resync_worker())
     run_step(b, worker, [("r", 1)])
+    # Left through a resync that names no scheduler (rebuilt from its bytes): known left at b's next named step.
+    (c, _) = pair()
+    c.admit("r", 16)
+    from_c = c.resync_worker()
+    worker.apply(WorkerStep(from_c.step, from_c.plan.to_bytes(), from_c.request_ids, resync=True))
+    c.apply_results(worker.end_step())
+    run_step(c, worker, [("r", 1)])
+    with pytest.raises(CallOrderError, match="stale resync"):
+        worker.apply(b.resync_worker())
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))

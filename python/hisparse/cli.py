@@ -99,7 +99,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `hisparse calc | head -1`: the reader left; say nothing more on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except OSError as exc:  # a file it names (the plot's folder removed during the run): results are printed
-        if exc.filename is None:
-            raise
-        return _fail(prog, exc, 1)

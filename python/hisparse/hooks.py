@@ -377,10 +377,11 @@ class SchedulerHooks:
         try:
             core = [(ids[rid], n) for rid, n in pairs]
         except (KeyError, TypeError, ValueError):
-            core = [self._core_pair(pair) for pair in pairs]  # ids given as str subclasses, or a precise error
-        # Named before the core call: an engine's abort thread may finish() one of them meanwhile.
-        names = self._names
-        request_ids = tuple([names[core_id] for core_id, _ in core])
+            pairs = [self._checked_pair(pair) for pair in pairs]  # ids given as str subclasses, or a precise error
+            core = [(self.core_id(rid), n) for rid, n in pairs]
+        # Named from the caller's pairs, not from ``_names``, which an engine's abort thread may finish() a
+        # request out of at any point of this call.
+        request_ids = tuple([rid if type(rid) is str else _check_request_id(rid) for rid, _ in pairs])
         plan = self.manager.plan_step(core)
         self._metrics["transitions"] += plan.num_transitions
         if not plan.ok:
@@ -390,12 +391,14 @@ class SchedulerHooks:
         self._outstanding = self._steps
         return WorkerStep._of_plan(self._steps, plan, request_ids, scheduler=self._identity)
 
-    def _core_pair(self, pair: Any) -> tuple[int, Any]:
+    @staticmethod
+    def _checked_pair(pair: Any) -> tuple[str, Any]:
+        """A scheduled pair with its request id as the hooks keep it (else the precise error)."""
         try:
             request_id, tokens = pair
         except (TypeError, ValueError):
             raise InvalidArgumentError("scheduled must be a sequence of (request_id, new_tokens) pairs") from None
-        return self.core_id(request_id), tokens
+        return _check_request_id(request_id), tokens
 
     def resync_worker(self) -> WorkerStep:
         """The step that brings a rebuilt worker (a new process, a crashed rank, one whose ``apply`` raised
@@ -546,6 +549,7 @@ class WorkerHooks:
         self._last = 0
         self._scheduler = 0  # the WorkerStep.scheduler of the steps applied (0: none said yet)
         self._left: set[int] = set()  # the schedulers this worker left for another's resync
+        self._named = 0  # the last scheduler a step applied named (kept through a resync that names none)
         self._in_flight: list[_InFlight] = []
         self._summaries: list[HeatSummaryInFlight] = []
         # From the counts the data path holds now: a worker rebuilt over a used one reports only its own steps.
@@ -635,9 +639,12 @@ class WorkerHooks:
             self._in_flight.append(_InFlight(tuple(started), copied))
         self._step = step
         self._last = step.step
-        # A resync makes the worker its scheduler's, whatever it held before.
-        if other:
-            self._left.add(self._scheduler)
+        # A resync makes the worker its scheduler's, whatever it held before. The scheduler it served before is
+        # known left once a step names another (at once, or after a resync that names none).
+        if step.scheduler:
+            if self._named and step.scheduler != self._named:
+                self._left.add(self._named)
+            self._named = step.scheduler
         self._scheduler = step.scheduler if step.resync else step.scheduler or self._scheduler
         return started
 

@@ -413,9 +413,6 @@ def main(args: argparse.Namespace) -> int:
                      layers=args.layers, index_share=args.index_share, seed=args.seed, device=args.device,
                      shared_tokens=min(DemoConfig.shared_tokens, args.prompt_len // 2))
     result = run_demo(cfg, modes, progress=not args.no_progress)
-    print(json.dumps(result) if args.json else format_table(result), flush=True)  # kept should the plot fail
-    if args.plot:
-        plot(result, args.plot)
-        if not args.json:
-            print(f"plot: {args.plot}")
+    console.print_then_plot(json.dumps(result) if args.json else format_table(result), args.plot,
+                            lambda path: plot(result, path), say_where=not args.json)
     return 0 if result["all_identical"] else 1

@@ -133,8 +133,8 @@ def torch_device(text: str) -> str:
 def plot_path(text: str) -> str:
     """A file to write a plot to: its folder must exist and be writable, so a long run does not end in an error,
     and its extension must be one matplotlib writes without extra packages."""
-    path = os.path.realpath(os.path.expanduser(text))  # a link's target: where the plot will be written
-    folder = os.path.dirname(path)
+    path = os.path.abspath(os.path.expanduser(text))
+    folder = os.path.dirname(os.path.realpath(path))  # a link's target's: where the plot will be written
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no such folder: {folder}")
     if not os.access(folder, os.W_OK):

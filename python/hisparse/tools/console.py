@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from ..errors import ConfigError
@@ -121,3 +121,20 @@ def require_memory(need: float, what: str, advice: str) -> None:
         size = f"about {format_bytes(need)} of" if need < float("inf") else "unbounded"
         raise ConfigError(f"this run needs {size} memory ({what}), more than the {format_bytes(have)} available: "
                           f"{advice}")
+
+
+def print_then_plot(results: str, plot_path: str | None, draw: Callable[[str], None], *, say_where: bool) -> None:
+    """Prints a run's results, then writes its plot (``draw(plot_path)``, when one was asked for): the results
+    first, so that a plot that cannot be written (its folder checked before the run, gone by its end) loses
+    nothing, and the plot even when stdout's reader has left (``| head``). A plot that cannot be written is a
+    :class:`ConfigError` naming ``--plot``."""
+    try:
+        print(results, flush=True)
+    finally:
+        if plot_path:
+            try:
+                draw(plot_path)
+            except OSError as exc:
+                raise ConfigError(f"--plot {plot_path}: the plot could not be written: {exc}") from None
+    if plot_path and say_where:
+        print(f"plot written to {plot_path}")

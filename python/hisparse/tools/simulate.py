@@ -1611,11 +1611,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     result = simulate(configs, progress=args.progress, refused=refused, keep_going=args.mode == "both")
     wall = time.monotonic() - t0
-    # Printed first: kept should the plot fail.
-    print(json.dumps(to_json(result), indent=2) if args.json else format_table(result, wall_s=wall), flush=True)
-    if args.plot:
-        plot(result["points"], args.plot)
-        if not args.json:
-            print(f"plot written to {args.plot}")
+    console.print_then_plot(json.dumps(to_json(result), indent=2) if args.json else format_table(result, wall_s=wall),
+                            args.plot, lambda path: plot(result["points"], path), say_where=not args.json)
     return 0
 
