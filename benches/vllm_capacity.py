@@ -7,7 +7,11 @@ same KV memory. One JSON line per workload:
   requests running while some wait (mean, max) and preemptions.
 - ``long_outputs``: 10 requests of 2-2.6K prompt tokens generating 1,500 tokens each (a reasoning-style load).
 - ``short_requests``: 300 requests of 100-400 prompt tokens generating 64 each, ``max_num_seqs`` 256.
-  Reported for these two: steps to serve everything, mean running, preemptions.
+- ``region_costlier``: 4 requests of 9,000 prompt tokens generating 400 each under MTP 3 (1,024-token chunks,
+  the offloading connector beside), in a pool that holds two of them fully resident. Their hot region (960
+  blocks with MTP 3) costs more than all their pages resident (147 pages of 7 blocks): vLLM's HiSparse moves
+  each to one when its admission window fills, hisparse keeps them resident.
+  Reported for these three: steps to serve everything, mean running, preemptions.
 
     .venv/bin/python benches/vllm_capacity.py [--workloads pressure_8K ...] [--modes plain native hisparse]
         [--device-buffer-size ROWS] [--check-bytes]
@@ -43,6 +47,11 @@ WORKLOADS = {
     "short_requests": lambda: {"setup": dict(gpu_gib=0.9, max_model_len=8192, host_pool_gib=24, max_num_seqs=256),
                                "jobs": [H.Job(f"t{i}", H.prompt(5000 + i, 100 + (i % 7) * 50), 64)
                                         for i in range(300)]},
+    "region_costlier": lambda: {"setup": dict(gpu_gib=1.2, max_model_len=16384, num_spec_tokens=3,
+                                              max_num_batched_tokens=1024, host_pool_gib=40, offload_gib=0.25,
+                                              max_num_seqs=64),
+                                "jobs": [H.Job(f"r{i}", H.prompt(500 + i, 9000), 400, arrival=3 * i)
+                                         for i in range(4)]},
 }
 
 
@@ -53,7 +62,7 @@ def measure(workload: dict, mode: str, device_buffer_size: int | None = None, ch
     setup = H.build(mode=mode, async_scheduling=True, device_buffer_size=device_buffer_size, **workload["setup"])
     worker = (H.FakeWorker(setup, layers=[0, 60], completion_lag=1) if check_bytes
               else H.FakeWorker(setup, layers=[0], reads=False, data=False))
-    stats = H.run(setup, worker, workload["jobs"])
+    stats = H.run(setup, worker, workload["jobs"], num_spec_tokens=workload["setup"].get("num_spec_tokens", 0))
     mean = sum(stats.running_samples) / len(stats.running_samples)
     under_pressure = sum(stats.pressure_samples) / max(1, len(stats.pressure_samples))
     out = {"steps": stats.steps, "mean_running": round(mean, 2), "mean_running_while_waiting":

@@ -186,10 +186,12 @@ def test_glm53_layout_mtp3_async_reads_from_the_host():
     """GLM-5.3's layout as vLLM's own planner builds it (78 sparse-MLA layers, IndexShare: 21 indexer layers,
     21 resident and 21 hot groups, a 160-block hot region per group with MTP 3), async scheduling, beside
     the offloading connector; the pool is sized so that requests must read from the host, and drafts are
-    both accepted and rejected (the worker proposes them, as vLLM's does under async scheduling)."""
+    both accepted and rejected (the worker proposes them, as vLLM's does under async scheduling). The prompts
+    are long enough for a region to pay for itself (past 10,368 tokens on this layout): shorter ones keep
+    every page resident."""
     from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 
-    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=3.0, max_model_len=16384, num_spec_tokens=3,
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=2.0, max_model_len=16384, num_spec_tokens=3,
                     host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
                     offload_gib=0.25)
     assert type(setup.scheduler).__name__ == "AsyncScheduler"
@@ -201,7 +203,7 @@ def test_glm53_layout_mtp3_async_reads_from_the_host():
     assert {g.kv_cache_spec.blocks_per_request for g in hot} == {160}
     leaders = [H._layer(g.layer_names[0]) for g in resident]
     worker = H.FakeWorker(setup, layers=leaders[::5] + [leaders[5] + 2])  # some leaders, and one follower
-    jobs = [H.Job(f"r{i}", H.prompt(i, 3000 + 37 * i), 24, arrival=2 * i) for i in range(6)]
+    jobs = [H.Job(f"r{i}", H.prompt(i, 10_400 + 37 * i), 24, arrival=2 * i) for i in range(6)]
     stats = H.run(setup, worker, jobs, num_spec_tokens=3)
     assert stats.rows_from_host > 0, "the pool was meant to push requests onto their hot regions"
     assert stats.drafts_accepted > 0 and stats.drafts_rejected > 0
@@ -211,16 +213,17 @@ def test_glm53_layout_mtp3_async_reads_from_the_host():
 
 def test_multi_turn_agent_conversations():
     """Agent conversations (each turn's prompt is the last turn's prompt, its answer and a few hundred new
-    tokens), five at once in a pool that holds about three: later turns hit their own earlier turns' prefix
+    tokens, long enough for a hot region to pay for itself), five at once in a pool that holds about three:
+    later turns hit their own earlier turns' prefix
     on the GPU and on HiSparse's host pool only with the indexer keys loaded back from the offloading tier;
     two turns are aborted mid-answer (their conversations end there)."""
     setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, host_pool_gib=20, offload_gib=0.25,
                     max_num_seqs=8, max_num_batched_tokens=2048)
     worker = H.FakeWorker(setup, layers=[0, 30, 60])
-    jobs, then = H.conversations(5, 100, first=2500, later=300, output=24, turns=3, spacing=3)
+    jobs, then = H.conversations(5, 100, first=4500, later=300, output=24, turns=3, spacing=3)
     stats = H.run(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10})
     assert stats.aborted == 2
-    assert stats.prefix_hit_tokens >= 5 * 2500, "later turns read their earlier turns' prefix"
+    assert stats.prefix_hit_tokens >= 5 * 4500, "later turns read their earlier turns' prefix"
     assert stats.host_only_prefix_admissions > 0 and stats.tier_blocks_loaded > 0
     assert stats.rows_from_host > 0
     _assert_all_freed(setup, worker)
@@ -395,24 +398,25 @@ def test_short_turns_restored_whole_through_preemptions_and_aborts(monkeypatch):
     _assert_all_freed(setup, worker)
 
 
-@pytest.mark.parametrize("longest, short, rid", [(4022, True, "c0-t1"), (4025, False, "c0-t11"),
-                                                 (4025, False, "c0-t12"), (4032, False, "c0-t1")])
+@pytest.mark.parametrize("longest, short, rid", [(10358, True, "c0-t1"), (10359, False, "c0-t1"),
+                                                 (10359, False, "c0-t11")])
 def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, short, rid):
-    """A later turn of prompt + max_tokens just under the admission window (64 pages on GLM-5.3's layout), under
-    MTP 3 with async scheduling: vLLM allocates slots past the last token (drafts and lookahead, and the drafts
-    of the step in flight: 1 + 3 + 3 + 3), so at 4,025 tokens or more its rows may fill the window in its last
-    steps (as its drafts happen to be accepted: the request ids seed them) and move it to a hot region of 3,360
-    blocks after it was restored whole and admitted as never needing one. It is short only when its rows,
-    those slots included, stay within the window: then it is restored whole and never holds a region; else
-    it reads through one from the start, as vLLM gives a host prefix hit, and restores nothing."""
+    """A later turn of prompt + max_tokens just under the length past which its pages could pay for a hot
+    region (GLM-5.3's layout: 21 resident blocks a page, a region of 3,360 blocks, so 160 releasable pages
+    and the 2 of the tail, 10,368 tokens), under MTP 3 with async scheduling: vLLM allocates slots past the
+    last token (drafts and lookahead, and the drafts of the step in flight: 1 + 3 + 3 + 3), which count.
+    Past its admission window (64 pages) it keeps every page: vLLM would move it there, to peak at its window
+    and the region, more than all its pages. It is short only when its rows, those slots included, stay
+    within that length: then it is restored whole and never holds a region; else it reads through one from
+    the start, as vLLM gives a host prefix hit, and restores nothing."""
     monkeypatch.setattr(H, "TOP_K", 2048)
-    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=1.0, max_model_len=4096, num_spec_tokens=3,
+    setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=2.0, max_model_len=12288, num_spec_tokens=3,
                     async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8)
     worker = H.FakeWorker(setup, layers=[0, 42])
     coordinator = H.hisparse_coordinators(setup.scheduler)[0]
     first = H.Job("c0-t0", H.prompt(300, 2000), 48)
     prompt = first.prompt + H.greedy(first.prompt, 48)
-    later = H.Job(rid, prompt + H.prompt(999, 3600 - len(prompt)), longest - 3600)
+    later = H.Job(rid, prompt + H.prompt(999, 10_000 - len(prompt)), longest - 10_000)
     held = []
 
     def on_step(_):
@@ -442,7 +446,7 @@ def test_a_synchronous_load_restores_the_import_tail_before_the_forward_reads_it
                     offload_extra={"sync_load_budget_bytes": 1 << 30},
                     extra=None if mode == "native" else {"policy": mode})
     worker = H.FakeWorker(setup, layers=[0, 30, 60])
-    jobs, then = H.conversations(5, 100, first=2500, later=300, output=24, turns=3, spacing=3)
+    jobs, then = H.conversations(5, 100, first=4500, later=300, output=24, turns=3, spacing=3)
     if mode == "native":
         with pytest.raises(H.CheckFailed, match="rows read differ"):
             H.run(setup, worker, jobs, then=then)

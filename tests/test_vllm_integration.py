@@ -203,16 +203,19 @@ def _with_vllms_scans(setup) -> None:
                          [("coldest", False, 0, True, 0.8, 8192), ("fifo", True, 0, False, 0.8, 8192),
                           ("coldest", False, 3, True, 1.3, 2048)],
                          ids=["coldest", "fifo-async-no-prefix-caching", "coldest-mtp"])
-def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_scheduling, mtp, prefix_caching, gpu_gib,
-                                                         chunk):
+def test_cheaper_bookkeeping_sends_what_vllms_scans_send(monkeypatch, policy, async_scheduling, mtp, prefix_caching,
+                                                         gpu_gib, chunk):
     """The same trace through our connector twice, once with vLLM's per-step scans: every scheduler decision,
     every field of the connector metadata (transfers, host copies, source blocks, row mirrors, residency flag
     and updates) and the scheduler state the metadata does not show (``_run_recording``) are equal at every
     step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
     without prefix caching, a resumed request starts again with no hot region), recycled blocks and copies
-    that complete late; one run has MTP's drafts and lookahead, and prefill chunks short enough that its
-    requests fill their admission windows and take hot regions (MTP's are large enough that each request of
-    this trace would otherwise be too short ever to take one, its prefix hits restored whole)."""
+    that complete late; one run has MTP's drafts and lookahead, prefill chunks short enough that its
+    requests fill their admission windows, and a top-K of 512, whose hot regions are small enough for them to
+    take (at top-K 2,048, MTP's regions cost more than each request of this trace holds resident: none would
+    take one, its prefix hits restored whole)."""
+    if mtp:
+        monkeypatch.setattr(H, "TOP_K", 512)
     shared = H.prompt(1000, 2048)
     # Long enough decodes that requests reading through hot regions seal pages of generated tokens.
     jobs = [H.Job(f"r{i}", H.prompt(i, 4000 + 97 * i, shared if i % 2 else None), 16 + 60 * (i % 3 == 0),
@@ -238,16 +241,17 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(policy, async_schedulin
 
 @pytest.mark.parametrize("mode", ["hisparse", "native"])
 def test_a_request_alone_whose_hot_region_and_next_chunk_do_not_fit_runs_resident(mode):
-    """A 7,000-token request alone in a pool that holds it fully resident but not with a hot region beside its
-    next chunk (DeepSeek-V3.2, 0.8 GiB), async with MTP 3 and nothing of it reusable (prefix caching off). At
-    4,096 tokens it fills its two-chunk admission window; vLLM's HiSparse gives it a hot region there, the next
-    chunk does not fit beside it, and vLLM preempts its only request, which starts over, fills its window
-    again, and never finishes. coldest moves it only once the pool holds the region and the next step's blocks
-    (``PoolShape::transition``): it runs resident and finishes, every row right."""
-    setup = H.build(mode=mode, gpu_gib=0.8, max_model_len=8192, host_pool_gib=40, async_scheduling=True,
+    """An 11,000-token request alone in a pool that holds it fully resident but not with a hot region beside
+    its next chunk (DeepSeek-V3.2, 0.8 GiB), async with MTP 3 and nothing of it reusable (prefix caching off);
+    long enough for a region to pay for itself. At 4,096 tokens it fills its two-chunk admission window;
+    vLLM's HiSparse gives it a hot region there, the next chunk does not fit beside it, and vLLM preempts its
+    only request, which starts over, fills its window again, and never finishes. coldest moves it only once
+    the pool holds the region and the next step's blocks (``PoolShape::transition``): it runs resident and
+    finishes, every row right."""
+    setup = H.build(mode=mode, gpu_gib=0.8, max_model_len=12288, host_pool_gib=40, async_scheduling=True,
                     num_spec_tokens=3, prefix_caching=False, max_num_batched_tokens=2048)
     worker = H.FakeWorker(setup, layers=GROUP_LAYERS)
-    jobs = [H.Job("r0", H.prompt(0, 7000), 32)]
+    jobs = [H.Job("r0", H.prompt(0, 11_000), 32)]
     if mode == "native":
         with pytest.raises(H.CheckFailed, match="not done after 100 steps"):
             H.run(setup, worker, jobs, max_steps=100, num_spec_tokens=3)
@@ -256,6 +260,28 @@ def test_a_request_alone_whose_hot_region_and_next_chunk_do_not_fit_runs_residen
     stats = H.run(setup, worker, jobs, max_steps=100, num_spec_tokens=3)
     assert stats.preemptions == 0 and stats.rows_checked > 0
     assert setup.scheduler.connector.coordinator.counters["transitions_postponed"] > 0
+
+
+def test_requests_a_region_would_cost_more_than_stay_resident_side_by_side():
+    """Four 9,000-token requests of 400-token answers (DeepSeek-V3.2, MTP 3, async, 1,024-token chunks, the
+    offloading connector beside, 1.2 GiB): a hot region (960 blocks) costs more than a request's every page
+    resident (147 pages of 7 blocks), and the pool holds two such requests resident but not one beside a
+    region and its admission window. vLLM's HiSparse moves each to a region at its window and preempts to
+    make room; hisparse keeps each resident (it never takes a region), admits a second beside the first
+    counting all its pages, and finishes in fewer steps, without a preemption."""
+    runs = {}
+    for mode in ("hisparse", "native"):
+        setup = H.build(mode=mode, gpu_gib=1.2, max_model_len=16384, num_spec_tokens=3, async_scheduling=True,
+                        max_num_batched_tokens=1024, host_pool_gib=40, offload_gib=0.25, max_num_seqs=64)
+        worker = H.FakeWorker(setup, reads=False, data=False)
+        jobs = [H.Job(f"r{i}", H.prompt(500 + i, 9000), 400, arrival=3 * i) for i in range(4)]
+        runs[mode] = H.run(setup, worker, jobs, num_spec_tokens=3)
+        if mode == "hisparse":
+            coordinator = H.hisparse_coordinators(setup.scheduler)[0]
+            assert coordinator.hot_cost == 960 and coordinator.counters["transitions"] == 0
+    ours, vllms = runs["hisparse"], runs["native"]
+    assert ours.preemptions == 0 and ours.max_running == 2, (ours.preemptions, ours.max_running)
+    assert vllms.preemptions > 0 and ours.steps < vllms.steps, (vllms.preemptions, ours.steps, vllms.steps)
 
 
 def test_coldest_orders_vllms_free_queue_by_heat():

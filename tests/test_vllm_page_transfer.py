@@ -116,10 +116,11 @@ def _state(coord) -> tuple:
 
 def _imports():
     """Agents' later turns whose indexer keys come back from vLLM's offloading tier (asynchronous loads): the
-    imported pages' MLA rows are on HiSparse's host pool only, null in the resident rows."""
+    imported pages' MLA rows are on HiSparse's host pool only, null in the resident rows (turns long enough
+    to read through hot regions, not restored whole)."""
     setup = H.build(mode="hisparse", gpu_gib=0.8, max_model_len=16384, host_pool_gib=20, offload_gib=0.25,
                     max_num_seqs=8, max_num_batched_tokens=2048)
-    return setup, *H.conversations(5, 100, first=2500, later=300, output=24, turns=4, spacing=3), 0
+    return setup, *H.conversations(5, 100, first=4500, later=300, output=24, turns=4, spacing=3), 0
 
 
 def _whole_restores():

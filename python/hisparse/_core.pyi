@@ -239,7 +239,13 @@ class PoolPolicy:
     def __len__(self) -> int: ...
     def worth_transition(self, releasable_pages: int) -> bool: ...
     def transition(
-        self, fills_window: bool, free_blocks: int, admission_waiting: bool, releasable_pages: int, next_blocks: int
+        self,
+        fills_window: bool,
+        free_blocks: int,
+        admission_waiting: bool,
+        releasable_pages: int,
+        next_blocks: int,
+        longest_tokens: int | None,
     ) -> Literal["stay", "declined", "postponed", "take"]: ...
     def never_takes_hot_region(self, longest_tokens: int) -> bool: ...
     def has_headroom(
@@ -247,7 +253,7 @@ class PoolPolicy:
         tokens: int,
         computed_tokens: int,
         chunk_tokens: int,
-        short: bool,
+        longest_tokens: int | None,
         *,
         free_blocks: int,
         running: int,

@@ -56,7 +56,7 @@ pub struct PoolShape {
     /// Blocks a hot region costs, every hot group's together.
     pub hot_blocks: usize,
     /// Resident pages admission reserves for a request (vLLM's `max_admission_blocks_per_request`): one
-    /// that holds them all moves to its hot region whatever the pool holds.
+    /// that holds them all moves to its hot region whatever the pool holds, unless it never takes one.
     pub admission_pages: usize,
     /// Pages at a request's tail that are never released (vLLM's `ACTIVE_TAIL_PAGES`).
     pub tail_pages: usize,
@@ -73,9 +73,10 @@ pub struct Admission {
     pub computed_tokens: usize,
     /// The most tokens a step schedules for it (vLLM's `max_num_batched_tokens`): its admission window.
     pub chunk_tokens: usize,
-    /// Too short ever to take a hot region ([`PoolShape::never_takes_hot_region`] of its longest length):
-    /// it never reads from the host, so a prefix hit of it is restored whole to resident pages.
-    pub short: bool,
+    /// The most tokens it can reach (prompt, output and the KV slots allocated past its end); None when
+    /// that is not bounded. One too short ever to take a hot region ([`PoolShape::never_takes_hot_region`])
+    /// never reads from the host: every page of it stays resident, a prefix hit of it restored whole.
+    pub longest_tokens: Option<usize>,
 }
 
 /// vLLM's pool as an admission finds it.
@@ -131,9 +132,11 @@ impl PoolShape {
     /// Under `coldest`, for a request not reading through a hot region yet: `fills_window` (it holds the
     /// resident pages admission reserved for it), `free_blocks` in vLLM's pool, `admission_waiting` (an
     /// admission was deferred this step, which counts as a low pool), `releasable_pages` (its pages outside
-    /// the tail not released yet), `next_blocks` (what its next step allocates for new pages). Filling the
-    /// admission window moves it (pinned pages past the window could outgrow the pool); a low pool moves it
-    /// only when that pays. Either waits until the pool can grant the region with the next step's blocks
+    /// the tail not released yet), `next_blocks` (what its next step allocates for new pages), and
+    /// `longest_tokens` (the most it can reach; None: unbounded). Filling the admission window moves it
+    /// (pinned pages past the window could outgrow the pool), unless it never takes a region
+    /// ([`Self::never_takes_hot_region`]: admission counted its every page); a low pool moves it only when
+    /// that pays. Either waits until the pool can grant the region with the next step's blocks
     /// (its pages go back only once their copies complete, steps later): vLLM would preempt someone for
     /// them, and a request running alone preempts itself, starts over and fills its window again, forever
     /// when nothing of it is reused.
@@ -144,8 +147,9 @@ impl PoolShape {
         admission_waiting: bool,
         releasable_pages: usize,
         next_blocks: usize,
+        longest_tokens: Option<usize>,
     ) -> Transition {
-        if !fills_window {
+        if !fills_window || longest_tokens.is_some_and(|longest| self.never_takes_hot_region(longest)) {
             if free_blocks >= self.low_watermark && !admission_waiting {
                 return Transition::Stay;
             }
@@ -160,12 +164,15 @@ impl PoolShape {
         }
     }
 
-    /// Whether a request that never grows past `longest_tokens` can never be moved to a hot region
-    /// ([`Self::transition`]): it never fills its admission window, and its releasable pages never free
-    /// more blocks than a region costs.
+    /// Whether a request that never grows past `longest_tokens` is never to be moved to a hot region: its
+    /// releasable pages never free more blocks than a region costs, so a region never pays for itself, at
+    /// its admission window or after it. It keeps every page resident, which admission counts
+    /// ([`Self::has_headroom`]), so it may hold more pages than its window ([`Self::transition`]'s caller
+    /// does not move it when the window fills). Reading through a region would peak at its window and the
+    /// region, more blocks than all its pages: where vLLM moves it at its window, a pool that holds two such
+    /// requests resident holds only one beside a region (`benches/vllm_capacity.py`, `region_costlier`).
     pub fn never_takes_hot_region(&self, longest_tokens: usize) -> bool {
-        let pages = self.pages(longest_tokens);
-        pages < self.admission_pages && !self.worth_transition(pages.saturating_sub(self.tail_pages))
+        !self.worth_transition(self.pages(longest_tokens).saturating_sub(self.tail_pages))
     }
 
     /// Whether `ask` may start now: the pool keeps, after its peak need, the hot regions owed to requests
@@ -178,25 +185,28 @@ impl PoolShape {
     /// the window that filled up is released; vLLM's window is the tokens in flight, two chunks under async
     /// scheduling, one without; `admission_pages` 0: one chunk), and a hot region when it will read through
     /// one: a prompt longer than its window, a prefix hit (its pages may be on the host only, and vLLM gives
-    /// any prefix hit a hot region), or a pool left low enough to move it at once. A short request reads
-    /// through none: every page of it is resident, its prefix hit restored whole.
+    /// any prefix hit a hot region), or a pool left low enough to move it at once. A request that never
+    /// takes a region ([`Self::never_takes_hot_region`]) reads through none: every page of it is resident,
+    /// past its window too, its prefix hit restored whole (its growth is a running request's, below).
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
         // In u128: a product or sum of usize counts cannot wrap (the engine's counts are far smaller, but
         // a count near usize::MAX must not turn a refusal into an admission).
         let wide = |n: usize| n as u128;
-        let pages = self.pages(ask.tokens);
-        let hit_pages = if ask.short { 0 } else { ask.computed_tokens / self.block_size.max(1) };
-        let new_pages = pages.saturating_sub(hit_pages);
-        let chunk = self.pages(ask.chunk_tokens);
-        let window = if self.admission_pages > 0 { self.admission_pages } else { chunk };
-        let peak = wide(new_pages).min(wide(window) + wide(chunk));
-        let mut need = wide(pages) + peak * wide(self.blocks_per_page);
         let free = wide(pool.free_blocks);
-        if !ask.short
-            && (new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark))
-        {
-            need += wide(self.hot_blocks);
-        }
+        let need = match ask.longest_tokens.filter(|&longest| self.never_takes_hot_region(longest)) {
+            Some(_) => wide(self.pages(ask.tokens)) * (wide(self.blocks_per_page) + 1),
+            None => {
+                let pages = self.pages(ask.tokens);
+                let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));
+                let chunk = self.pages(ask.chunk_tokens);
+                let window = if self.admission_pages > 0 { self.admission_pages } else { chunk };
+                let peak = wide(new_pages).min(wide(window) + wide(chunk));
+                let need = wide(pages) + peak * wide(self.blocks_per_page);
+                let region =
+                    new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark);
+                need + if region { wide(self.hot_blocks) } else { 0 }
+            }
+        };
         let spare_hot = if pool.may_take_hot { self.hot_blocks } else { 0 };
         let page = wide(self.blocks_per_page) + 1;
         let reading_host = pool.reading_host.min(pool.running);
@@ -347,20 +357,20 @@ mod tests {
     fn a_request_moves_when_its_window_fills_or_when_a_low_pool_gains_by_it() {
         let s = DSV32;
         // Filling the admission window moves it whatever its pages would free...
-        assert_eq!(s.transition(true, 4000, false, 0, 7), Transition::Take);
+        assert_eq!(s.transition(true, 4000, false, 0, 7, None), Transition::Take);
         // ...once the pool holds the region and the next step's blocks (a 32-page chunk here).
-        assert_eq!(s.transition(true, 607, false, 0, 224), Transition::Postponed);
-        assert_eq!(s.transition(true, 608, false, 0, 224), Transition::Take);
+        assert_eq!(s.transition(true, 607, false, 0, 224, None), Transition::Postponed);
+        assert_eq!(s.transition(true, 608, false, 0, 224, None), Transition::Take);
         // A pool above the watermark with nobody waiting: nothing to do.
-        assert_eq!(s.transition(false, 400, false, 100, 7), Transition::Stay);
+        assert_eq!(s.transition(false, 400, false, 100, 7, None), Transition::Stay);
         // Low (or an admission waiting): only when releasing frees more than the region costs...
-        assert_eq!(s.transition(false, 399, false, 64, 7), Transition::Declined);
-        assert_eq!(s.transition(false, 4000, true, 64, 7), Transition::Declined);
-        assert_eq!(s.transition(false, 399, false, 65, 7), Transition::Take);
-        assert_eq!(s.transition(false, 4000, true, 65, 7), Transition::Take);
+        assert_eq!(s.transition(false, 399, false, 64, 7, None), Transition::Declined);
+        assert_eq!(s.transition(false, 4000, true, 64, 7, None), Transition::Declined);
+        assert_eq!(s.transition(false, 399, false, 65, 7, None), Transition::Take);
+        assert_eq!(s.transition(false, 4000, true, 65, 7, None), Transition::Take);
         // ...and the pool can grant the region and the next step's blocks without vLLM preempting anyone.
-        assert_eq!(s.transition(false, 390, false, 65, 7), Transition::Postponed);
-        assert_eq!(s.transition(false, 391, false, 65, 7), Transition::Take);
+        assert_eq!(s.transition(false, 390, false, 65, 7, None), Transition::Postponed);
+        assert_eq!(s.transition(false, 391, false, 65, 7, None), Transition::Take);
     }
 
     #[test]
@@ -371,10 +381,15 @@ mod tests {
         // 66 pages, 64 releasable outside the tail: 384 blocks, no more than the region.
         assert!(s.never_takes_hot_region(66 * 64));
         assert!(!s.never_takes_hot_region(66 * 64 + 1));
-        // Too few releasable pages, but it fills its admission window: it will move.
+        // Past its admission window (128 pages) with too few releasable pages to pay for a region: it keeps
+        // them all (vLLM would move it at the window, to peak at 128 pages and the region).
         let wide = PoolShape { hot_blocks: 10_000, ..s };
-        assert!(wide.never_takes_hot_region(127 * 64));
-        assert!(!wide.never_takes_hot_region(127 * 64 + 1));
+        assert!(wide.never_takes_hot_region(1668 * 64));
+        assert!(!wide.never_takes_hot_region(1668 * 64 + 1));
+        assert_eq!(wide.transition(true, 20_000, false, 0, 7, Some(1668 * 64)), Transition::Stay);
+        assert_eq!(wide.transition(true, 300, false, 1666, 7, Some(1668 * 64)), Transition::Declined);
+        assert_eq!(wide.transition(true, 20_000, false, 0, 7, Some(1668 * 64 + 1)), Transition::Take);
+        assert_eq!(wide.transition(true, 20_000, false, 0, 7, None), Transition::Take);
     }
 
     #[test]
@@ -383,13 +398,13 @@ mod tests {
         let empty = PoolState { free_blocks: 4000, ..PoolState::default() };
         // 3,000 tokens in one 8,192-token window: 47 indexer pages and 47 x 6 resident blocks = 329; into a
         // pool then still above the watermark, no hot region.
-        let ask = Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, short: false };
+        let ask = Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, longest_tokens: None };
         assert!(s.has_headroom(&ask, &PoolState { free_blocks: 329 + 400, ..empty }));
         // Less, and the pool it leaves is low: it would move at once, so its region counts too.
         assert!(s.has_headroom(&ask, &PoolState { free_blocks: 329 + 384, ..empty }));
         assert!(!s.has_headroom(&ask, &PoolState { free_blocks: 329 + 383, ..empty }));
-        // Unless it is short: then the region is never counted.
-        let short = Admission { short: true, ..ask };
+        // Unless it never takes one: then the region is never counted.
+        let short = Admission { longest_tokens: Some(3000), ..ask };
         assert!(s.has_headroom(&short, &PoolState { free_blocks: 329, ..empty }));
         assert!(!s.has_headroom(&short, &PoolState { free_blocks: 328, ..empty }));
         // A prefix hit, or a prompt longer than its admission window, reads through a hot region: it is counted.
@@ -437,19 +452,28 @@ mod tests {
         let short_hit = Admission { computed_tokens: 1024, ..short };
         assert!(s.has_headroom(&short_hit, &PoolState { free_blocks: 329, ..empty }));
         assert!(!s.has_headroom(&short_hit, &PoolState { free_blocks: 328, ..empty }));
+        // Its every page counts, past its window too: 188 pages of 7 blocks, where reading through a region
+        // would peak at 188 indexer blocks, its window and a chunk of 6 and the region.
+        let wide = PoolShape { hot_blocks: 10_000, ..s };
+        let longer = Admission { longest_tokens: Some(200 * 64), ..long };
+        assert!(wide.has_headroom(&longer, &PoolState { free_blocks: 188 * 7, ..empty }));
+        assert!(!wide.has_headroom(&longer, &PoolState { free_blocks: 188 * 7 - 1, ..empty }));
+        let unbounded = Admission { longest_tokens: None, ..longer };
+        assert!(!wide.has_headroom(&unbounded, &PoolState { free_blocks: 188 + 160 * 6 + 9_999, ..empty }));
     }
 
     #[test]
     fn counts_near_the_limit_do_not_wrap_into_the_opposite_answer() {
         let s = DSV32;
-        assert_eq!(s.transition(true, 100, false, 0, usize::MAX), Transition::Postponed);
-        let ask = Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, short: true };
+        assert_eq!(s.transition(true, 100, false, 0, usize::MAX, None), Transition::Postponed);
+        let ask =
+            Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, longest_tokens: Some(3000) };
         let pool = PoolState { free_blocks: 4000, ..PoolState::default() };
         assert!(s.has_headroom(&ask, &pool));
         assert!(s.has_headroom(&ask, &PoolState { free_blocks: usize::MAX, ..pool }));
         assert!(!s.has_headroom(&ask, &PoolState { owed_hot_blocks: usize::MAX, ..pool }));
         assert!(!s.has_headroom(&ask, &PoolState { running: 1 << 63, ..pool }));
-        let huge = Admission { tokens: usize::MAX, chunk_tokens: usize::MAX, short: false, ..ask };
+        let huge = Admission { tokens: usize::MAX, chunk_tokens: usize::MAX, longest_tokens: None, ..ask };
         assert!(!s.has_headroom(&huge, &pool));
     }
 

@@ -99,7 +99,8 @@ impl PoolPolicy {
     /// someone). ``fills_window``: it holds the resident pages admission reserved for it;
     /// ``admission_waiting``: an admission was deferred this step (counts as a low pool);
     /// ``releasable_pages``: its pages outside the tail not released yet; ``next_blocks``: the blocks its
-    /// next step allocates for new pages.
+    /// next step allocates for new pages; ``longest_tokens``: the most tokens it can reach (None: unbounded),
+    /// so that one that never takes a region is not moved when its window fills.
     fn transition(
         &self,
         fills_window: &Bound<'_, PyAny>,
@@ -107,6 +108,7 @@ impl PoolPolicy {
         admission_waiting: &Bound<'_, PyAny>,
         releasable_pages: &Bound<'_, PyAny>,
         next_blocks: &Bound<'_, PyAny>,
+        longest_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<&'static str> {
         let decision = self.shape.transition(
             boolean(fills_window, "fills_window")?,
@@ -114,6 +116,7 @@ impl PoolPolicy {
             boolean(admission_waiting, "admission_waiting")?,
             int(releasable_pages, "releasable_pages")?,
             int(next_blocks, "next_blocks")?,
+            opt_int(Some(longest_tokens), "longest_tokens")?,
         );
         Ok(decision.name())
     }
@@ -124,19 +127,19 @@ impl PoolPolicy {
     }
 
     /// Whether a waiting request of ``tokens`` (``computed_tokens`` of them a prefix hit, scheduled up to
-    /// ``chunk_tokens`` a step, ``short``: never takes a hot region) may start in a pool of ``free_blocks``
+    /// ``chunk_tokens`` a step, growing to ``longest_tokens`` at most, None: unbounded) may start in a pool of ``free_blocks``
     /// with ``running`` requests holding blocks (``reading_host`` of them through their hot regions),
     /// ``owed_hot_blocks`` still owed to hot regions asked for, and ``may_take_hot`` when a running request may
     /// still take one (``pool_policy.rs``).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, short, *, free_blocks, running, reading_host,
+    #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, longest_tokens, *, free_blocks, running, reading_host,
                         owed_hot_blocks, may_take_hot))]
     fn has_headroom(
         &self,
         tokens: &Bound<'_, PyAny>,
         computed_tokens: &Bound<'_, PyAny>,
         chunk_tokens: &Bound<'_, PyAny>,
-        short: &Bound<'_, PyAny>,
+        longest_tokens: &Bound<'_, PyAny>,
         free_blocks: &Bound<'_, PyAny>,
         running: &Bound<'_, PyAny>,
         reading_host: &Bound<'_, PyAny>,
@@ -147,7 +150,7 @@ impl PoolPolicy {
             tokens: int(tokens, "tokens")?,
             computed_tokens: int(computed_tokens, "computed_tokens")?,
             chunk_tokens: int(chunk_tokens, "chunk_tokens")?,
-            short: boolean(short, "short")?,
+            longest_tokens: opt_int(Some(longest_tokens), "longest_tokens")?,
         };
         let pool = PoolState {
             free_blocks: int(free_blocks, "free_blocks")?,

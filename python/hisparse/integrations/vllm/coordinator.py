@@ -8,7 +8,10 @@ the decisions that are policy (package docstring):
                       low (or the request fills its admission window). Here, under ``coldest``: the same
                       triggers, but a low pool moves a request only if its releasable pages free more blocks
                       than its hot region costs (``PoolPolicy.transition``). Filling the admission window
-                      always moves it (pinned pages past the window could outgrow the pool). Either waits
+                      moves it (pinned pages past the window could outgrow the pool), unless a region could
+                      never pay for itself: one whose releasable pages, at its longest, never free more
+                      blocks than the region costs keeps every page resident, counted so at admission (vLLM
+                      moves it, to peak at its window and the region, more than its pages). Either waits
                       until the pool can grant the region and the request's next step's blocks: vLLM would
                       preempt for them, and a request running alone preempts itself and starts over.
 ``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
@@ -94,7 +97,7 @@ class HisparseCoordinator(Bookkeeping):
         # tokens computed once this step has run (advance_scheduled): what its next step allocates.
         self.chunk_tokens = 0
         # KV slots vLLM allocates past a request's last token (set by the connector: ``slots_past_end``). A
-        # request is short only if its rows never fill the admission window, these slots included.
+        # request is short only if its rows, these slots included, never free enough to pay for a region.
         self.slots_past_end = 0
         self._step_ends: dict[str, int] = {}
         # Short requests admitted on a prefix hit, restored whole rather than given a hot region (bind).
@@ -109,9 +112,13 @@ class HisparseCoordinator(Bookkeeping):
         if self.resident_managers and self.hot_managers and self._recorder is not None:
             self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
 
-    def _is_short(self, request) -> bool:
+    def _longest(self, request) -> int | None:
+        """The most KV slots ``request`` can hold (``longest_tokens`` and the slots past its end), or None."""
         longest = longest_tokens(request)
-        return self._never_takes_hot_region(None if longest is None else longest + self.slots_past_end)
+        return None if longest is None else longest + self.slots_past_end
+
+    def _is_short(self, request) -> bool:
+        return self._never_takes_hot_region(self._longest(request))
 
     def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
         super().record_pending_host_import(request_id, num_tokens)
@@ -155,9 +162,11 @@ class HisparseCoordinator(Bookkeeping):
             self._unpin_clean_pages(request_id, state)
             return
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
+        request = self.requests.get(request_id)
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
                                          self._deferred, max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)),
-                                         self._next_step_blocks(request_id))
+                                         self._next_step_blocks(request_id),
+                                         None if request is None else self._longest(request))
         if decision != "take":
             if decision != "stay":
                 self.counters[f"transitions_{decision}"] += 1
@@ -184,7 +193,7 @@ class HisparseCoordinator(Bookkeeping):
                 num_computed_tokens = loadable  # loaded back beside us
                 self.counters["admissions_counting_loads"] += 1
             if self._has_headroom(request.num_tokens, num_computed_tokens, admission_tokens, num_running,
-                                  self._is_short(request)):
+                                  self._longest(request)):
                 return True
         self.counters["admissions_deferred" if can_wait else "admissions_forced"] += 1
         self._deferred = True
@@ -201,14 +210,14 @@ class HisparseCoordinator(Bookkeeping):
         return request is None or not self._is_short(request)
 
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-                      num_running: int, short: bool) -> bool:
+                      num_running: int, longest: int | None) -> bool:
         """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers."""
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required)
         running = self.resident_managers[0].req_to_blocks
         reading_host = sum(1 for rid in running if self._can_read_from_host(rid))
         may_take_hot = any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid) for rid in running)
-        return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, short,
+        return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, longest,
                                        free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
                                        reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
 
