@@ -642,6 +642,7 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "fills_window": lambda: policy.transition(1, 5, False, 0, 1, None),
         "tokens": lambda: policy.has_headroom(-1, 0, 16, 16, **pool),
         "longest_tokens": lambda: policy.has_headroom(16, 0, 16, True, **pool),
+        "longest_tokens ": lambda: policy.transition(False, 5, False, 0, 1, -1),
         "pages[0]": lambda: policy.release_order("a", [2**32]),
         "request_ids": lambda: policy.report(b"", "ab"),
         "groups": lambda: _core.BlockRows(True, 16),

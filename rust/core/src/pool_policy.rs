@@ -187,7 +187,9 @@ impl PoolShape {
     /// one: a prompt longer than its window, a prefix hit (its pages may be on the host only, and vLLM gives
     /// any prefix hit a hot region), or a pool left low enough to move it at once. A request that never
     /// takes a region ([`Self::never_takes_hot_region`]) reads through none: every page of it is resident,
-    /// past its window too, its prefix hit restored whole (its growth is a running request's, below).
+    /// past its window too, its prefix hit restored whole. Its growth is reserved as any running request's
+    /// that keeps its pages, a page: where running requests outgrow the pool, vLLM preempts (counting its
+    /// longest length instead admitted fewer and took more steps on long answers).
     pub fn has_headroom(&self, ask: &Admission, pool: &PoolState) -> bool {
         // In u128: a product or sum of usize counts cannot wrap (the engine's counts are far smaller, but
         // a count near usize::MAX must not turn a refusal into an admission).

@@ -33,9 +33,10 @@ per-step scans run by the Rust core over its record of vLLM's block rows, ``Bloc
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),
   by the selection heat the resolver reports, in the core's ``coldest`` order (coldest, unlisted, hottest;
   ``PoolPolicy`` in Rust, ``rust/core/src/pool_policy.rs``);
-- when a request takes a hot region: only when what it releases frees more blocks than the region costs
-  (vLLM moves every scheduled request once the pool runs low, even one whose pages free less than its
-  6 x 64-block hot region);
+- when a request takes a hot region: under a low pool only when what it releases frees more blocks than the
+  region costs (vLLM moves every scheduled request once the pool runs low, even one whose pages free less
+  than its 6 x 64-block hot region), and when its admission window fills unless its pages, at its longest,
+  never could (vLLM moves every request there);
 - when a waiting request is admitted (through ``get_num_new_matched_tokens``, whose None makes vLLM wait):
   only while the pool keeps room for the running requests' hot regions and growth after the new request's
   peak (no region is counted for a request too short ever to take one). vLLM counts released pages as free,
