@@ -262,20 +262,25 @@ def test_a_request_alone_whose_hot_region_and_next_chunk_do_not_fit_runs_residen
     assert setup.scheduler.connector.coordinator.counters["transitions_postponed"] > 0
 
 
-def test_requests_a_region_would_cost_more_than_stay_resident_side_by_side():
-    """Four 9,000-token requests of 400-token answers (DeepSeek-V3.2, MTP 3, async, 1,024-token chunks, the
-    offloading connector beside, 1.2 GiB): a hot region (960 blocks) costs more than a request's every page
-    resident (147 pages of 7 blocks), and the pool holds two such requests resident but not one beside a
-    region and its admission window. vLLM's HiSparse moves each to a region at its window and preempts to
-    make room; hisparse keeps each resident (it never takes a region), admits a second beside the first
-    counting all its pages, and finishes in fewer steps, without a preemption."""
+def test_requests_a_region_would_cost_more_than_stay_resident_side_by_side(monkeypatch):
+    """``benches/vllm_capacity.py``'s ``region_costlier``: four 9,000-token requests of 400-token answers
+    (DeepSeek-V3.2, MTP 3, async, 1,024-token chunks, the offloading connector beside, 1.2 GiB): a hot region
+    (960 blocks) costs more than a request's every page resident (147 pages of 7 blocks), and the pool holds
+    two such requests resident but not one beside a region and its admission window. vLLM's HiSparse moves
+    each to a region at its window and preempts to make room; hisparse keeps each resident (it never takes a
+    region), admits a second beside the first counting all its pages, and finishes in fewer steps, without a
+    preemption."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benches"))
+    import vllm_capacity as bench
+
+    workload = bench.WORKLOADS["region_costlier"]()
     runs = {}
     for mode in ("hisparse", "native"):
-        setup = H.build(mode=mode, gpu_gib=1.2, max_model_len=16384, num_spec_tokens=3, async_scheduling=True,
-                        max_num_batched_tokens=1024, host_pool_gib=40, offload_gib=0.25, max_num_seqs=64)
+        setup = H.build(mode=mode, async_scheduling=True, **workload["setup"])
         worker = H.FakeWorker(setup, reads=False, data=False)
-        jobs = [H.Job(f"r{i}", H.prompt(500 + i, 9000), 400, arrival=3 * i) for i in range(4)]
-        runs[mode] = H.run(setup, worker, jobs, num_spec_tokens=3)
+        runs[mode] = H.run(setup, worker, workload["jobs"], num_spec_tokens=3)
         if mode == "hisparse":
             coordinator = H.hisparse_coordinators(setup.scheduler)[0]
             assert coordinator.hot_cost == 960 and coordinator.counters["transitions"] == 0

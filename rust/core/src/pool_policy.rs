@@ -149,7 +149,7 @@ impl PoolShape {
         next_blocks: usize,
         longest_tokens: Option<usize>,
     ) -> Transition {
-        if !fills_window || longest_tokens.is_some_and(|longest| self.never_takes_hot_region(longest)) {
+        if !fills_window || self.keeps_every_page(longest_tokens) {
             if free_blocks >= self.low_watermark && !admission_waiting {
                 return Transition::Stay;
             }
@@ -175,6 +175,11 @@ impl PoolShape {
         !self.worth_transition(self.pages(longest_tokens).saturating_sub(self.tail_pages))
     }
 
+    /// [`Self::never_takes_hot_region`] of a length that may be unbounded (None: it may take one).
+    fn keeps_every_page(&self, longest_tokens: Option<usize>) -> bool {
+        longest_tokens.is_some_and(|longest| self.never_takes_hot_region(longest))
+    }
+
     /// Whether `ask` may start now: the pool keeps, after its peak need, the hot regions owed to requests
     /// already asked to transition, one more hot region while a running request may still take one, and room
     /// to grow: a page for every running request that keeps its pages, and an indexer block for every one
@@ -195,19 +200,18 @@ impl PoolShape {
         // a count near usize::MAX must not turn a refusal into an admission).
         let wide = |n: usize| n as u128;
         let free = wide(pool.free_blocks);
-        let need = match ask.longest_tokens.filter(|&longest| self.never_takes_hot_region(longest)) {
-            Some(_) => wide(self.pages(ask.tokens)) * (wide(self.blocks_per_page) + 1),
-            None => {
-                let pages = self.pages(ask.tokens);
-                let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));
-                let chunk = self.pages(ask.chunk_tokens);
-                let window = if self.admission_pages > 0 { self.admission_pages } else { chunk };
-                let peak = wide(new_pages).min(wide(window) + wide(chunk));
-                let need = wide(pages) + peak * wide(self.blocks_per_page);
-                let region =
-                    new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark);
-                need + if region { wide(self.hot_blocks) } else { 0 }
-            }
+        let pages = self.pages(ask.tokens);
+        let need = if self.keeps_every_page(ask.longest_tokens) {
+            wide(pages) * (wide(self.blocks_per_page) + 1)
+        } else {
+            let new_pages = pages.saturating_sub(ask.computed_tokens / self.block_size.max(1));
+            let chunk = self.pages(ask.chunk_tokens);
+            let window = if self.admission_pages > 0 { self.admission_pages } else { chunk };
+            let peak = wide(new_pages).min(wide(window) + wide(chunk));
+            let need = wide(pages) + peak * wide(self.blocks_per_page);
+            let region =
+                new_pages > window || ask.computed_tokens > 0 || free < need + wide(self.low_watermark);
+            need + if region { wide(self.hot_blocks) } else { 0 }
         };
         let spare_hot = if pool.may_take_hot { self.hot_blocks } else { 0 };
         let page = wide(self.blocks_per_page) + 1;
