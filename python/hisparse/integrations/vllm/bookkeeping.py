@@ -354,6 +354,18 @@ class Bookkeeping(HiSparseCoordinator):
             return None
         return self._page_blocks(request_id, page_idx)
 
+    def _releasable_clean(self, request_id: str, state) -> list[int]:
+        """The request's clean pinned pages ``_unpin_page`` can release: those outside its tail (a page in the
+        tail stays pinned until it leaves it, ``_resident_page_blocks``), so that the release order is taken
+        over these alone."""
+        first_tail = len(self.resident_managers[0].req_to_blocks.get(request_id, ())) - ACTIVE_TAIL_PAGES
+        return [page_idx for page_idx in state.pinned_clean if page_idx < first_tail]
+
+    def _unpin_clean_pages(self, request_id: str, state) -> None:
+        # vLLM's: tail first, so a prefix loses its tail pages before its head.
+        for page_idx in sorted(self._releasable_clean(request_id, state), reverse=True):
+            self._unpin_page(request_id, state, page_idx)
+
     def _unpin_page(self, request_id: str, state, page_idx: int) -> bool:
         if page_idx in state.pending_pages or page_idx not in state.valid_pages:
             return False
@@ -446,7 +458,9 @@ class Bookkeeping(HiSparseCoordinator):
         # publishes nothing new and records no new GPU copy, vLLM's version only leaves its pending
         # publication: none once every computed page is durable, else one of this step's pages, which the
         # copies still in flight publish as they complete (``_complete_host_writes``). Here that is all it
-        # does, without the host manager's calls.
+        # does, without the host manager's calls. The publication left is the first of its page count: a
+        # later step's publishes the same pages (its tokens only count up to the durable prefix, within
+        # them), with the same retention and replay boundaries (of the prompt).
         request_id = request.request_id
         state = self.request_states.get(request_id)
         if state is not None and self._recorder is not None:
@@ -463,9 +477,11 @@ class Bookkeeping(HiSparseCoordinator):
         """Whether vLLM's ``publish_when_ready`` of ``num_pages`` computed pages would publish nothing and
         record no GPU copy: it publishes the computed pages that are durable (the ready prefix), and these
         are cached and recorded already. Every count it compares only grows while ``state`` lives (ready and
-        recorded pages, cached blocks), so once the bounds are the computed pages themselves (all durable, and
-        the host row and the block hashes reach past them) the answer holds until another page is computed:
-        remembered in ``_published`` (until the state goes: ``free``)."""
+        recorded pages, cached blocks), and the ready prefix grows only as copies complete, which publish it
+        themselves (``_complete_host_writes``, ``complete_host_import``; ``commit_computed_blocks`` before the
+        request's first step). So once the host row and the block hashes reach past the computed pages, the
+        answer holds until another page is computed: remembered in ``_published`` (until the state goes:
+        ``free``)."""
         durable = min(state.ready_prefix_pages, num_pages)
         request_id = request.request_id
         manager = self.host_manager
@@ -475,7 +491,7 @@ class Bookkeeping(HiSparseCoordinator):
         hashed = len(request.block_hashes) * self._hash_block_size // self._host_block_size
         if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(durable, hashed):
             return False
-        if durable == num_pages and host_blocks >= num_pages and hashed >= num_pages:
+        if host_blocks >= num_pages and hashed >= num_pages:
             self._published[request_id] = num_pages
         return True
 

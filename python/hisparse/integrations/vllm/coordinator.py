@@ -241,9 +241,10 @@ class HisparseCoordinator(Bookkeeping):
     # ------------------------------------------------------------------ release (= reuse) order
 
     def _unpin_clean_pages(self, request_id, state) -> None:
-        if not state.pinned_clean:
+        pages = self._releasable_clean(request_id, state)
+        if not pages:
             return
-        for page_idx in self.order.release_order(request_id, list(state.pinned_clean)):
+        for page_idx in self.order.release_order(request_id, pages):
             if self._unpin_page(request_id, state, page_idx):
                 self.counters["released"] += 1
 
