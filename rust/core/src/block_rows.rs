@@ -252,6 +252,14 @@ impl BlockRows {
         Ok(())
     }
 
+    /// Where a row the engine grew by `added` pages, to `now` pages, is caught up from by appending: its first
+    /// page not recorded yet; `None` when appending cannot catch it up (the row also changed in a way not
+    /// reported here: the engine sets it whole).
+    pub fn growth_start(&self, request: &str, row: Row, added: usize, now: usize) -> Result<Option<usize>> {
+        let recorded = self.row_len(request, row)?;
+        Ok((recorded <= now && recorded.saturating_add(added) >= now).then_some(recorded))
+    }
+
     /// One page of a row changed (a page adopted or dropped). The page must exist.
     pub fn set_page(&mut self, request: &str, row: Row, page: usize, id: u32) -> Result<()> {
         let k = self.index(row)?;
@@ -463,6 +471,23 @@ mod tests {
         assert_eq!(pages, vec![30]);
         // Past a row's end: nothing, as for a page that has no block yet.
         assert!(rows.mirrors("a", 12, 4).is_empty());
+    }
+
+    #[test]
+    fn growth_is_caught_up_from_the_first_page_not_recorded_or_not_at_all() {
+        let rows = rows();
+        // (request, row, pages added, pages now, expected, why): "a" has 3 pages recorded in every row.
+        let cases = [
+            ("a", Row::Resident(0), 2, 5, Some(3), "two pages appended"),
+            ("a", Row::Host, 1, 3, Some(3), "recorded already: nothing to add"),
+            ("a", Row::Resident(1), 1, 5, None, "a page also changed, unreported"),
+            ("a", Row::Resident(1), 1, 2, None, "the row shrank, unreported"),
+            ("new", Row::Host, 2, 2, Some(0), "a request's first allocation"),
+        ];
+        for (request, row, added, now, expected, why) in cases {
+            assert_eq!(rows.growth_start(request, row, added, now).unwrap(), expected, "{why}");
+        }
+        assert!(rows.growth_start("a", Row::Resident(2), 1, 4).is_err(), "no such group");
     }
 
     #[test]

@@ -110,6 +110,51 @@ impl BlockRows {
         self.with(|r| r.set_page(request, row, page, id)).py()
     }
 
+    /// Records what one allocation appended to ``request``'s rows, every group in one call: ``new_blocks`` is
+    /// vLLM's tuple of each KV cache group's new blocks, ``groups`` a ``(kv group, manager, group)`` per recorded
+    /// row (``group`` ``None``: the host row). A grown row is caught up from its manager's ``req_to_blocks``
+    /// (the core's ``BlockRows::growth_start``); returns ``(manager, group)`` of each that cannot be (its row
+    /// also changed in a way not reported), for the caller to set whole.
+    fn grow<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyString>,
+        new_blocks: &Bound<'py, PyAny>,
+        groups: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let name = request.to_str()?;
+        let stale = PyList::empty(py);
+        for entry in groups.try_iter()? {
+            let entry = entry?;
+            let (kv_group, manager, group) =
+                entry.extract::<(usize, Bound<'py, PyAny>, Bound<'py, PyAny>)>()?;
+            let added = new_blocks.get_item(kv_group)?.len()?;
+            if added == 0 {
+                continue;
+            }
+            let vllm_row = manager.getattr(intern!(py, "req_to_blocks"))?.get_item(request)?;
+            let now = vllm_row.len()?;
+            let which = row(Some(&group))?;
+            let Some(start) = self.with(|r| r.growth_start(name, which, added, now)).py()? else {
+                stale.append((manager, group))?;
+                continue;
+            };
+            let mut ids = Vec::with_capacity(now - start);
+            for page in start..now {
+                let block = vllm_row.get_item(page)?;
+                let null = block.getattr(intern!(py, "is_null"))?.is_truthy()?;
+                let id = if null {
+                    None
+                } else {
+                    Some(int(&block.getattr(intern!(py, "block_id"))?, "block_id")?)
+                };
+                ids.push(block_id(id)?);
+            }
+            self.with(|r| r.extend(name, which, &ids)).py()?;
+        }
+        Ok(stale)
+    }
+
     /// The engine stopped reading the page from the GPU: read from the host in every resident row that has
     /// it (what vLLM's ``drop_resident_page`` does to each group's row); nothing for a request without rows.
     fn drop_page(&self, request: &str, page: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -123,20 +123,12 @@ class _RowRecorder:
 
     def allocated(self, request_id: str, new_blocks: tuple[list, ...], group_ids: list[tuple[int, Any, int | None]]
                   ) -> None:
-        """Records what one ``allocate_new_blocks`` appended to the request's rows: the last of a group's new
-        blocks (the host group's may start with a copy-on-write block that replaced a page in place, recorded
-        by ``_apply_cow``)."""
-        for kv_group, manager, group in group_ids:
-            new = new_blocks[kv_group]
-            if not new:
-                continue
-            row = manager.req_to_blocks[request_id]
-            recorded = self.rows.row_len(request_id, group)
-            if recorded + len(new) < len(row) or recorded > len(row):
-                self.book.counters["rows_reread"] += 1
-                self.reread(request_id, manager, group)
-            else:
-                self.rows.extend(request_id, group, block_ids(row[recorded:]))
+        """Records what one ``allocate_new_blocks`` appended to the request's rows, every group in one core call
+        (``BlockRows.grow``: a group's new blocks are the last of its row; the host group's may start with a
+        copy-on-write block that replaced a page in place, recorded by ``_apply_cow``)."""
+        for manager, group in self.rows.grow(request_id, new_blocks, group_ids):
+            self.book.counters["rows_reread"] += 1
+            self.reread(request_id, manager, group)
 
 
 class Bookkeeping(HiSparseCoordinator):
