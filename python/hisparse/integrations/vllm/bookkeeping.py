@@ -468,12 +468,12 @@ class Bookkeeping(HiSparseCoordinator):
     def _publishes_nothing(self, request, state, num_pages: int) -> bool:
         """Whether vLLM's ``publish_when_ready`` of ``num_pages`` computed pages would publish nothing and
         record no GPU copy: it publishes the computed pages that are durable (the ready prefix), and these
-        are cached and recorded already. Every count it compares only grows while ``state`` lives (ready and
-        recorded pages, cached blocks), and the ready prefix grows only as copies complete, which publish it
-        themselves (``_complete_host_writes``, ``complete_host_import``; ``commit_computed_blocks`` before the
-        request's first step). So once the host row and the block hashes reach past the computed pages, the
-        answer holds until another page is computed: remembered in ``_published`` (until the state goes:
-        ``free``)."""
+        are cached and recorded already. The recorded pages and cached blocks only grow while ``state`` lives,
+        and the ready prefix changes only where vLLM publishes it in the same call: a copy's completion
+        (``_complete_host_writes``) or an import's (``complete_host_import``), and ``commit_computed_blocks``
+        before the request's first step. So once the host row and the block hashes reach past the computed
+        pages, the answer holds until another page is computed: remembered in ``_published`` (until the state
+        goes: ``free``); an answer for fewer pages than that is not, and any older one is dropped."""
         durable = min(state.ready_prefix_pages, num_pages)
         request_id = request.request_id
         manager = self.host_manager
@@ -485,6 +485,8 @@ class Bookkeeping(HiSparseCoordinator):
             return False
         if host_blocks >= num_pages and hashed >= num_pages:
             self._published[request_id] = num_pages
+        else:
+            self._published.pop(request_id, None)
         return True
 
     def free(self, request_id: str) -> None:
