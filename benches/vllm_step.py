@@ -40,11 +40,13 @@ vLLM's own work for many requests at once: read hisparse's beside native's.
 
 With ``--breakdown``, each HiSparse mode also prints where its connector part goes (``breakdown``: per label,
 the median and mean microseconds a step and the calls a step, each call timed whole, callees included, and only
-when made from within the connector part): the coordinator's phases (``coordinator.*``: hisparse's scan in the
-core, and the phases vLLM's connector calls in both modes), and vLLM's own calls that either coordinator must
-make for the same decisions (``vllm.*``: the GPU and host pools' touch, free and release, the host prefix cache's
-publication, the resident rows' page drops and adoptions, the hot regions asked for), with their sum per running
-request (``vllm_calls_mean_us_per_running``): what no rewrite of the bookkeeping can take off. Those timers
+when made from within the connector part): by which of vLLM's calls into the connector it was spent in
+(``entry.*``, the timed calls above: their sums are the connector part), the coordinator's phases
+(``coordinator.*``: hisparse's scan in the core, and the phases vLLM's connector calls in both modes), and vLLM's
+own calls that either coordinator must make for the same decisions (``vllm.*``: the GPU and host pools' touch,
+free and release, the host prefix cache's publication, the resident rows' page drops and adoptions, the hot
+regions asked for), with their sum per running request (``vllm_calls_mean_us_per_running``): what no rewrite of
+the bookkeeping can take off. Those timers
 cost time too: compare modes within a --breakdown run, and take the headline figures from a run without it.
 
 With ``--repeat R``, the trace runs R times (fresh engines each time, every mode stepped in turn as above), and
@@ -104,6 +106,7 @@ class Engine:
         self.in_connector = 0.0  # seconds spent in the connector's bookkeeping during the current step
         self.depth = 0  # timed calls under way: one made from another is counted in the outer one
         self.connector_times: list[float] = []
+        self.breakdown = breakdown
         self.metadata: list[tuple[int, float]] = []  # (pickled bytes, seconds to pickle) per timed step
         connector = self.sched.connector
         self.has_connector = connector is not None
@@ -124,7 +127,7 @@ class Engine:
                     (coordinator.host_manager, per_request, ("cache_blocks",)),
                     (getattr(coordinator, "_recorder", None), per_request, ("allocated",))):  # hisparse's only
                 for name in names if owner is not None else ():
-                    setattr(owner, name, self._timed(getattr(owner, name), clock))
+                    setattr(owner, name, self._timed(getattr(owner, name), clock, f"entry.{name}"))
             if callable(getattr(coordinator, "report_heat", None)):
                 coordinator.report_heat = self._heat_timed(coordinator.report_heat)
             if breakdown:
@@ -135,7 +138,9 @@ class Engine:
         self.step_parts: dict[str, list] = {}  # label -> [seconds, calls] in the current step (--breakdown)
         self.parts: list[dict[str, list]] = []  # step_parts of each timed step
 
-    def _timed(self, method, clock):
+    def _timed(self, method, clock, label: str):
+        """``method`` counted in the connector part (under ``label`` too with ``--breakdown``), unless called
+        from within a call counted already."""
         def timed(*args, **kwargs):
             if self.depth:
                 return method(*args, **kwargs)
@@ -144,8 +149,13 @@ class Engine:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.in_connector += clock() - t0
+                spent = clock() - t0
+                self.in_connector += spent
                 self.depth -= 1
+                if self.breakdown:
+                    part = self.step_parts.setdefault(label, [0.0, 0])
+                    part[0] += spent
+                    part[1] += 1
 
         return timed
 

@@ -44,3 +44,14 @@ def test_runs_that_scheduled_differently_are_refused(runs):
     for run in (shifted, other):
         with pytest.raises(RuntimeError, match="scheduled differently"):
             S.fastest([first, run])
+
+
+def test_the_breakdown_splits_the_connector_part_by_vllms_calls_into_it(runs):
+    """``--breakdown``'s ``entry.*`` labels: the connector part of each step, split by which of vLLM's calls
+    into the connector and coordinator it was spent in, adds up to the part."""
+    for mode in ("hisparse", "native"):
+        engine = runs[1][mode]
+        for part, step in zip(engine.connector_times, engine.parts, strict=True):
+            entries = {label: seconds for label, (seconds, _) in step.items() if label.startswith("entry.")}
+            assert "entry.build_connector_meta" in entries and "entry.cache_blocks" in entries
+            assert sum(entries.values()) == pytest.approx(part, rel=1e-9, abs=1e-12)
