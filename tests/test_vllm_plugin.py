@@ -150,6 +150,53 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert len(rows) == 0
 
 
+def test_block_rows_grow_as_vllm_appends_and_hand_back_rows_changed_elsewhere():
+    """``BlockRows.grow``: one allocation's new blocks, every group in one call, read from each manager's
+    ``req_to_blocks`` (a null block is a page read from the host); a row that also changed unreported, or a
+    group whose allocation added nothing, is not extended, and the first comes back to be set whole."""
+    from types import SimpleNamespace
+
+    def block(block_id):
+        return SimpleNamespace(block_id=block_id, is_null=block_id is None)
+
+    rows = _core.BlockRows(2, 4)
+    resident = [SimpleNamespace(req_to_blocks={"a": [block(10), block(11)]}),
+                SimpleNamespace(req_to_blocks={"a": [block(20), block(None)]})]
+    host = SimpleNamespace(req_to_blocks={"a": [block(30), block(31)]})
+    groups = [(0, host, None), (1, resident[0], 0), (2, resident[1], 1)]
+    assert rows.grow("a", ([1, 2], [1, 2], [1, 2]), groups) == []
+    assert [rows.row("a", g) for g in (0, 1, None)] == [[10, 11], [20, None], [30, 31]]
+    resident[0].req_to_blocks["a"].append(block(12))
+    resident[1].req_to_blocks["a"][0] = block(25)  # changed where no record saw it, then grown
+    resident[1].req_to_blocks["a"] += [block(22), block(23)]
+    assert rows.grow("a", ([], [1], [1]), groups) == [(resident[1], 1)]
+    assert [rows.row("a", g) for g in (0, 1, None)] == [[10, 11, 12], [20, None], [30, 31]]
+
+
+def test_the_publication_gate_answers_a_known_page_count_and_hands_on_the_rest():
+    """``PublishGate.cache_blocks`` (vLLM's host group's, called for every request every step): nothing for a
+    request at the page count its coordinator found publishes nothing; otherwise the coordinator's
+    ``publish_when_ready``, looked up at each call, with vLLM's arguments as given."""
+    from types import SimpleNamespace
+
+    calls = []
+    owner = SimpleNamespace(publish_when_ready=lambda *args, **kwargs: calls.append((args, kwargs)))
+    published = {"a": 2}
+    gate = _core.PublishGate(published, 64, owner)
+    a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+    gate.cache_blocks(a, 128, replay_boundaries=(0,))
+    gate.cache_blocks(a, 191, None, replay_boundaries=(0,))
+    assert calls == []
+    gate.cache_blocks(a, 192, 7, replay_boundaries=(64,))
+    gate.cache_blocks(b, 0, replay_boundaries=())
+    assert calls == [((a, 192, 7), {"replay_boundaries": (64,)}), ((b, 0, None), {"replay_boundaries": ()})]
+    published["b"] = 0  # the coordinator's dict, shared
+    owner.publish_when_ready = None  # a call now would fail: none is made
+    gate.cache_blocks(b, 63, replay_boundaries=())
+    with pytest.raises(hisparse_errors.InvalidArgumentError, match="page_tokens"):
+        _core.PublishGate({}, 0, owner)
+
+
 def _selection_heat(rows: int = 4, pages: int = 12, **options):
     from hisparse.heat import HeatOptions
     from hisparse.integrations.vllm.heat import SelectionHeat

@@ -303,3 +303,13 @@ class BlockRows:
         back: dict[str, int] | None = None,
     ) -> tuple[tuple[list[str], bytes, bytes, bytes, bytes], bool, list[str]]: ...
     def __len__(self) -> int: ...
+
+@final
+class PublishGate:
+    """The check vLLM's per-request publication call lands on (``Bookkeeping.bind``): ``cache_blocks`` returns at
+    once when ``published[request.request_id]`` is ``num_tokens // page_tokens``, and otherwise calls
+    ``owner.publish_when_ready`` with its arguments; see ``publish_gate.rs``."""
+
+    def __init__(self, published: dict[str, int], page_tokens: int, owner: Any) -> None: ...
+    def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, *,
+                     replay_boundaries: Sequence[int]) -> None: ...

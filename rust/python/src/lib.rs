@@ -10,6 +10,7 @@ mod errors;
 mod manager;
 mod plan;
 mod pool_policy;
+mod publish_gate;
 mod reference;
 
 use std::sync::{Mutex, MutexGuard};
@@ -72,6 +73,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Admission>()?;
     m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<block_rows::BlockRows>()?;
+    m.add_class::<publish_gate::PublishGate>()?;
     m.add_function(wrap_pyfunction!(block_rows::unpack_row_mirrors, m)?)?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;

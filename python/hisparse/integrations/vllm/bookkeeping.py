@@ -43,7 +43,7 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from ..._core import BlockRows
+from ..._core import BlockRows, PublishGate
 from ...errors import ConfigError, InvalidArgumentError, InvariantError
 from .mirrors import RowMirrors
 
@@ -191,14 +191,9 @@ class Bookkeeping(HiSparseCoordinator):
 
         pools.allocate_new_blocks = allocate_new_blocks
         # vLLM's KV cache manager hands every request's step to the host group's cache_blocks, which only
-        # forwards it to publish_when_ready: here a request steady within its page returns in that first call.
-        published, page_tokens = self._published, self._host_block_size
-
-        def cache_blocks(request, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries):
-            if published.get(request.request_id) != num_tokens // page_tokens:
-                self.publish_when_ready(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
-
-        self.host_manager.cache_blocks = cache_blocks
+        # forwards it to publish_when_ready: here a request whose page count publishes nothing new returns in
+        # that first call, in the core (``PublishGate``, over ``_published``).
+        self.host_manager.cache_blocks = PublishGate(self._published, self._host_block_size, self).cache_blocks
 
     def check_rows(self) -> None:
         """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
