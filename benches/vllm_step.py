@@ -46,8 +46,8 @@ when made from within the connector part): by which of vLLM's calls into the con
 own calls that either coordinator must make for the same decisions (``vllm.*``: the GPU and host pools' touch,
 free and release, the host prefix cache's publication, the resident rows' page drops and adoptions, the hot
 regions asked for), with their sum per running request (``vllm_calls_mean_us_per_running``): what no rewrite of
-the bookkeeping can take off. Those timers
-cost time too: compare modes within a --breakdown run, and take the headline figures from a run without it.
+the bookkeeping can take off. Those timers cost time too: compare modes within a --breakdown run, and take the
+headline figures from a run without it.
 
 With ``--repeat R``, the trace runs R times (fresh engines each time, every mode stepped in turn as above), and
 every figure is taken from each timed step's least time over the runs (``fastest``): the runs schedule the same
@@ -153,9 +153,7 @@ class Engine:
                 self.in_connector += spent
                 self.depth -= 1
                 if self.breakdown:
-                    part = self.step_parts.setdefault(label, [0.0, 0])
-                    part[0] += spent
-                    part[1] += 1
+                    self._add_part(label, spent)
 
         return timed
 
@@ -180,11 +178,15 @@ class Engine:
             try:
                 return method(*args, **kwargs)
             finally:
-                part = self.step_parts.setdefault(label, [0.0, 0])
-                part[0] += time.perf_counter() - t0
-                part[1] += 1
+                self._add_part(label, time.perf_counter() - t0)
 
         return timed
+
+    def _add_part(self, label: str, seconds: float) -> None:
+        """One call of ``seconds`` under ``label`` in the current step's breakdown."""
+        part = self.step_parts.setdefault(label, [0.0, 0])
+        part[0] += seconds
+        part[1] += 1
 
     def step(self, timed: bool) -> None:
         self.timing = timed
