@@ -18,9 +18,9 @@ for every request every step and which hands it to the coordinator's ``publish_w
 ``record_pending_host_import``; and for hisparse the record of each allocation's new blocks in the core
 (``_RowRecorder.allocated``). hisparse replaces vLLM's scans there. The rest of the step is vLLM's scheduler and
 KV cache manager, the same code in both, but for hisparse's wraps of vLLM's objects, which only the step counts:
-the call each scheduled request makes through the wraps of the allocation and, under ``coldest``, of
-``allocate_slots`` and of the block count (requests restored whole), and those around vLLM's rare row changes
-(admissions, copy-on-write, adoptions and frees). At the defaults both modes make the same calls (as many
+the call each scheduled request makes through the wrap of the allocation (under ``coldest``, while a short
+request restored whole runs or one is being admitted, through those of ``allocate_slots`` and of the block count
+too), and those around vLLM's rare row changes (admissions, copy-on-write, adoptions and frees). At the defaults both modes make the same calls (as many
 frees, as many released blocks handed out); where ``coldest`` decides otherwise than vLLM (other contexts,
 waiting requests), the figure holds those decisions' work too, and ``policy: fifo`` would compare bookkeeping
 alone. Then hisparse's over native's per running request (``hisparse_over_native``), and the mean per

@@ -341,15 +341,30 @@ def _short_turns(monkeypatch, gpu_gib: float, n: int, output: int, aborts: dict[
                  offload_extra: dict | None = None):
     """``n`` conversations of two short turns (2,000 tokens, then 900 more) on GLM-5.3's layout at the
     published top-K, MTP 3, async, beside the offloading connector (``offload_extra``: its options), every row
-    read checked: the setup, the worker, the run's stats and hisparse's coordinator."""
+    read checked: the setup, the worker, the run's stats and hisparse's coordinator. Between steps, vLLM's
+    allocation and block count reach vLLM's own methods but for the requests restored whole: the restores'
+    wraps are in place only while they can matter (``restore.WholeRestores``)."""
     monkeypatch.setattr(H, "TOP_K", 2048)
     setup = H.build(mode="hisparse", model="glm5.3", gpu_gib=gpu_gib, max_model_len=4096, num_spec_tokens=3,
                     async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25,
                     offload_extra=offload_extra)
     worker = H.FakeWorker(setup, layers=[0, 42])
+    coordinator = _children(setup)["hisparse.HiSparseConnector"].coordinator
+    manager = setup.scheduler.kv_cache_manager
+    vllms_allocation = type(manager).allocate_slots.__get__(manager)
+    vllms_count = type(manager.coordinator).get_num_blocks_to_allocate.__get__(manager.coordinator)
+    counted_alone = []  # steps where no request was restored whole
+
+    def between_steps(_step):
+        assert manager.allocate_slots == vllms_allocation, "the allocation is wrapped past a schedule pass"
+        if not coordinator.restores.requests:
+            assert manager.coordinator.get_num_blocks_to_allocate == vllms_count
+            counted_alone.append(_step)
+
     jobs, then = H.conversations(n, 300, first=2000, later=900, output=output, turns=2)
-    stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts)
-    return setup, worker, stats, _children(setup)["hisparse.HiSparseConnector"].coordinator
+    stats = H.run(setup, worker, jobs, then=then, num_spec_tokens=3, aborts=aborts, on_step=between_steps)
+    assert counted_alone, "every step had a request restored whole: the count's unwrapping went unchecked"
+    return setup, worker, stats, coordinator
 
 
 def test_short_later_turns_restored_whole_read_every_byte_right(monkeypatch):

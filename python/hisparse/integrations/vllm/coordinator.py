@@ -185,6 +185,8 @@ class HisparseCoordinator(Bookkeeping):
         waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
         long request would otherwise be overtaken by every shorter one for as long as they keep coming).
         ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
+        if self.restores is not None:
+            self.restores.expect(request)
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
@@ -234,9 +236,12 @@ class HisparseCoordinator(Bookkeeping):
         return max(1, pages) * (self.blocks_per_page + 1)
 
     def advance_scheduled(self, requests) -> None:
+        # The connector's last call of a schedule pass (``build_connector_meta``): the pass's state ends here.
         self._step_ends = dict(requests)
         super().advance_scheduled(self._step_ends.items())
         self._deferred = False
+        if self.restores is not None:
+            self.restores.end_pass()
 
     # ------------------------------------------------------------------ release (= reuse) order
 

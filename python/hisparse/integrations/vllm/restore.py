@@ -38,7 +38,13 @@ class WholeRestores:
     resident blocks instead of a hot region: ``KVCacheManager.allocate_slots`` decides at admission and fills
     every page, the KV cache coordinator's count asks a block for every page and none for a region, the hot
     managers' admissions ask for no region. Only these instances' methods change, and only for the requests
-    in ``requests``."""
+    in ``requests``.
+
+    vLLM calls the allocation and the count for every scheduled request every step, so those two wraps are
+    in place only while they can matter: the allocation's from when vLLM asks the connector for a short waiting
+    request's prefix hit (:meth:`expect`; it admits a request only in the pass that asked, after every running
+    request's allocation) to the end of that schedule pass (:meth:`end_pass`), and the count's while a request
+    restored whole holds blocks."""
 
     def __init__(self, coordinator: HisparseCoordinator, kv_cache_manager: KVCacheManager,
                  is_short: Callable[[Any], bool]) -> None:
@@ -51,8 +57,11 @@ class WholeRestores:
         for manager in coordinator.hot_managers:
             for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
                 self._wrap_admission(manager, name)
-        self._wrap_count(kv_cache_manager.coordinator)
-        allocate = kv_cache_manager.allocate_slots
+        self._pools = kv_cache_manager.coordinator
+        self._count = self._pools.get_num_blocks_to_allocate
+        self._restoring_count = self._counting(self._count)
+        self._manager = kv_cache_manager
+        allocate = self._allocate = kv_cache_manager.allocate_slots
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
             local = kwargs.get("num_new_computed_tokens", 0)
@@ -61,16 +70,30 @@ class WholeRestores:
             if (not local and not external) or request_id in self.requests or not self._restorable(
                     request, local, external, kwargs.get("delay_cache_blocks", False)):
                 return allocate(request, num_new_tokens, *args, **kwargs)
-            self.requests.add(request_id)
+            self._track(request_id)
             blocks = allocate(request, num_new_tokens, *args, **kwargs)
             if blocks is None:
-                self.requests.discard(request_id)
+                self.forget(request_id)
                 return None
             self.coordinator.counters["restored_whole"] += 1
             self._fill(request_id, local // self.block_size)
             return blocks
 
-        kv_cache_manager.allocate_slots = allocate_slots
+        self._restoring_allocate = allocate_slots
+
+    def expect(self, request) -> None:
+        """vLLM has asked the connector for the waiting ``request``'s prefix hit: its allocation, later in this
+        schedule pass, may admit it restored whole if it is short."""
+        if self.is_short(request):
+            self._manager.allocate_slots = self._restoring_allocate
+
+    def end_pass(self) -> None:
+        """The schedule pass is over: the next allocations are running requests' until vLLM asks again."""
+        self._manager.allocate_slots = self._allocate
+
+    def _track(self, request_id: str) -> None:
+        self.requests.add(request_id)
+        self._pools.get_num_blocks_to_allocate = self._restoring_count
 
     def _restorable(self, request, local: int, external: int, load_async: bool) -> bool:
         """A short request whose prefix's host pages hold their data before its first forward (module docstring)."""
@@ -89,11 +112,10 @@ class WholeRestores:
 
         setattr(manager, name, admitted)
 
-    def _wrap_count(self, pools) -> None:
-        """The KV cache coordinator's block count, asked for every scheduled request every step: vLLM's for
-        every request but these, and for these every page a block (the prefix's too) and no hot region. One
-        wrap for all groups, not one per manager: most requests pay one call, not one per group."""
-        count, requests = pools.get_num_blocks_to_allocate, self.requests
+    def _counting(self, count):
+        """The KV cache coordinator's block count (``count``, vLLM's) for every request but these, and for these
+        every page a block (the prefix's too) and no hot region. One wrap for all groups, not one per manager."""
+        pools, requests = self._pools, self.requests
         resident, hot = set(map(id, self.coordinator.resident_managers)), set(map(id, self.coordinator.hot_managers))
         block_size = self.block_size
 
@@ -121,7 +143,7 @@ class WholeRestores:
                         prefill_end=prefill_end)
             return total
 
-        pools.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        return get_num_blocks_to_allocate
 
     def _fill(self, request_id: str, num_pages: int) -> None:
         """Gives each null page of the request's resident rows (its prefix, on the host only) a resident block:
@@ -164,3 +186,5 @@ class WholeRestores:
     def forget(self, request_id: str) -> None:
         self.requests.discard(request_id)
         self._unrestored.pop(request_id, None)
+        if not self.requests:
+            self._pools.get_num_blocks_to_allocate = self._count
