@@ -18,18 +18,18 @@ for every request every step and which hands it to the coordinator's ``publish_w
 ``record_pending_host_import``; and for hisparse the record of each allocation's new blocks in the core
 (``_RowRecorder.allocated``). hisparse replaces vLLM's scans there. The rest of the step is vLLM's scheduler and
 KV cache manager, the same code in both, but for hisparse's wraps of vLLM's objects, which only the step counts:
-the call each scheduled request makes through the wrap of the allocation (under ``coldest``, while a short
-request restored whole runs or one is being admitted, through those of ``allocate_slots`` and of the block count
-too), and those around vLLM's rare row changes (admissions, copy-on-write, adoptions and frees). At the defaults both modes make the same calls (as many
-frees, as many released blocks handed out); where ``coldest`` decides otherwise than vLLM (other contexts,
-waiting requests), the figure holds those decisions' work too, and ``policy: fifo`` would compare bookkeeping
-alone. Then hisparse's over native's per running request (``hisparse_over_native``), and the mean per
-running request beside the median (``connector_mean_...``: a step in which a request seals a page, its host
-copy planned and completed, its GPU copy indexed, an older page released, costs several times one in which
+the call each scheduled request makes through the wrap of the allocation (under ``coldest``, while a short request
+restored whole runs or one is being admitted, through those of ``allocate_slots`` and of the block count too), and
+those around vLLM's rare row changes (admissions, copy-on-write, adoptions and frees). At the defaults both modes
+make the same calls (as many frees, as many released blocks handed out); where ``coldest`` decides otherwise than
+vLLM (other contexts, waiting requests), the figure holds those decisions' work too, and ``policy: fifo`` would
+compare bookkeeping alone. Then hisparse's over native's per running request (``hisparse_over_native``), and the
+mean per running request beside the median (``connector_mean_...``: a step in which a request seals a page, its
+host copy planned and completed, its GPU copy indexed, an older page released, costs several times one in which
 none does; at N = 32 about half the steps are such steps, so there the median falls anywhere between the two
-kinds, where the mean is the CPU the connector takes), and the median bytes and time of pickling the connector
-metadata as vLLM's multi-process executor sends it to its workers (``metadata_bytes``, ``metadata_pickle_us``:
-scheduler CPU this harness's in-process worker does not pay).
+kinds, where the mean is the CPU the connector takes; ``connector_by_step`` gives each kind's mean apart), and the
+median bytes and time of pickling the connector metadata as vLLM's multi-process executor sends it to its workers
+(``metadata_bytes``, ``metadata_pickle_us``: scheduler CPU this harness's in-process worker does not pay).
 Nothing is read here, so every heat summary (every 32 steps; 64 timed steps hold two) lists every request's
 pages as never selected: the longest list a summary can bring. The longest step over the median is printed for
 every mode (``longest_over_median``, and which of the timed steps, counted from 0 in every mode alike, were the
@@ -108,8 +108,10 @@ class Engine:
         self.connector_times: list[float] = []
         self.breakdown = breakdown
         self.metadata: list[tuple[int, float]] = []  # (pickled bytes, seconds to pickle) per timed step
+        self.transfers: list[int] = []  # host copies planned in each kept timed step
         connector = self.sched.connector
         self.has_connector = connector is not None
+        self.coordinator = connector.connector_scheduler.coordinator if connector is not None else None
         if connector is not None:
             # Once per step: thread CPU time, which a machine shared with other jobs does not inflate. Once
             # per request: the wall clock, whose read costs a quarter of the thread clock's (a system call of
@@ -193,6 +195,7 @@ class Engine:
         t0 = time.thread_time()
         self.in_connector = 0.0
         self.step_parts = {}
+        planned = self.coordinator.next_spill_id if self.coordinator is not None else 0
         so = self.sched.schedule()
         t1 = time.thread_time()
         in_schedule = self.in_connector
@@ -212,6 +215,8 @@ class Engine:
                                len(so.scheduled_cached_reqs.resumed_req_ids)))
             self.connector_times.append(self.in_connector)
             self.parts.append(self.step_parts)
+            if self.coordinator is not None:
+                self.transfers.append(self.coordinator.next_spill_id - planned)
             if so.kv_connector_metadata is not None:
                 t = time.thread_time()
                 size = len(pickle.dumps(so.kv_connector_metadata, protocol=pickle.HIGHEST_PROTOCOL))
@@ -270,7 +275,7 @@ def run(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool
         for e in engines.values():
             e.step(timed=True)
     for e in engines.values():
-        e.setup = e.worker = e.sched = None
+        e.setup = e.worker = e.sched = e.coordinator = None
     gc.unfreeze()  # the next run's engines are built in a heap without these
     gc.collect()
     return engines
@@ -285,7 +290,7 @@ def fastest(runs: list[Engine]) -> Engine:
     first = runs[0]
 
     def work(e: Engine) -> tuple:
-        return (e.trace, len(e.heat_times), [size for size, _ in e.metadata],
+        return (e.trace, e.transfers, len(e.heat_times), [size for size, _ in e.metadata],
                 [{label: calls for label, (_, calls) in step.items()} for step in e.parts])
 
     for other in runs[1:]:
@@ -303,6 +308,22 @@ def fastest(runs: list[Engine]) -> Engine:
     first.parts = [{label: [min(step.get(label, (0.0, 0))[0] for step in steps), calls]
                     for label, (_, calls) in steps[0].items()} for steps in zip(*(e.parts for e in runs), strict=True)]
     return first
+
+
+def by_transfers(e: Engine) -> dict:
+    """The connector part per running request (mean microseconds) in the timed steps that planned no host copy
+    (``quiet``: a decode within its last page for every request) and in those that planned some (``sealing``:
+    a page sealed, its copy planned, completed and published, an older page released, blocks handed out),
+    with how many steps each and copies a sealing step: a step's work is mostly the one or the other."""
+    out = {}
+    for kind, steps in (("quiet", [i for i, n in enumerate(e.transfers) if not n]),
+                        ("sealing", [i for i, n in enumerate(e.transfers) if n])):
+        if steps:
+            out[kind] = {"steps": len(steps), "mean_us_per_running": round(
+                statistics.mean(e.connector_times[i] / e.running[i] for i in steps) * 1e6, 2)}
+    if "sealing" in out:
+        out["sealing"]["copies_per_step"] = round(statistics.mean(n for n in e.transfers if n), 2)
+    return out
 
 
 def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: bool = False,
@@ -331,6 +352,7 @@ def measure(n: int, steps: int, modes=MODES, context: int = CONTEXT, breakdown: 
             per_running = [t / r for t, r in zip(e.connector_times, e.running, strict=True)]
             out[mode]["connector_us_per_running"] = round(statistics.median(per_running) * 1e6, 2)
             out[mode]["connector_mean_us_per_running"] = round(statistics.mean(per_running) * 1e6, 2)
+            out[mode]["connector_by_step"] = by_transfers(e)
             out[mode]["metadata_bytes"] = statistics.median(size for size, _ in e.metadata)
             out[mode]["metadata_pickle_us"] = round(statistics.median(t for _, t in e.metadata) * 1e6, 1)
             if breakdown:

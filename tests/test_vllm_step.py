@@ -55,3 +55,29 @@ def test_the_breakdown_splits_the_connector_part_by_vllms_calls_into_it(runs):
             entries = {label: seconds for label, (seconds, _) in step.items() if label.startswith("entry.")}
             assert "entry.build_connector_meta" in entries and "entry.cache_blocks" in entries
             assert sum(entries.values()) == pytest.approx(part, rel=1e-9, abs=1e-12)
+
+
+def test_the_connector_part_is_split_by_whether_a_step_planned_host_copies(runs):
+    """``connector_by_step``: the timed steps that planned no host copy and those that planned some, each kind's
+    mean connector part per running request over exactly its steps (on the runs' steps as recorded, and with
+    copies planned in every other step, so that both kinds are there)."""
+    for mode in ("hisparse", "native"):
+        recorded = runs[0][mode]
+        assert len(recorded.transfers) == len(recorded.connector_times) and recorded.transfers
+        alternating = copy.copy(recorded)
+        alternating.transfers = [i % 2 * (i + 1) for i in range(len(recorded.transfers))]
+        for engine in (recorded, alternating):
+            by = S.by_transfers(engine)
+            assert sum(kind["steps"] for kind in by.values()) == len(engine.transfers)
+            for kind, planned in (("quiet", lambda n: n == 0), ("sealing", lambda n: n > 0)):
+                steps = [i for i, n in enumerate(engine.transfers) if planned(n)]
+                if not steps:
+                    assert kind not in by
+                    continue
+                mean = sum(engine.connector_times[i] / engine.running[i] for i in steps) / len(steps) * 1e6
+                assert by[kind]["steps"] == len(steps)
+                assert by[kind]["mean_us_per_running"] == pytest.approx(mean, abs=0.01)
+            if "sealing" in by:
+                copies = [n for n in engine.transfers if n]
+                assert by["sealing"]["copies_per_step"] == pytest.approx(sum(copies) / len(copies), abs=0.01)
+        assert set(S.by_transfers(alternating)) == {"quiet", "sealing"}
