@@ -410,3 +410,43 @@ def test_heat_options_are_checked_where_the_config_is_read():
         heat_options(config(heat_interval=0))
     with pytest.raises(ConfigError, match="heat_coldest"):
         heat_options(config(heat_coldest="many"))
+
+
+def test_a_method_wrapped_while_needed_gives_back_what_was_in_place():
+    """``restore.WrappedWhileNeeded``: vLLM's per-request methods wrapped only while a restore can need them,
+    then given back as they were (a class's method, or an attribute of the object), and a wrap put over ours in
+    the meantime left in place."""
+    from hisparse.integrations.vllm.restore import WrappedWhileNeeded
+
+    class Pools:
+        def count(self, n):
+            return n
+
+    pools = Pools()
+    calls = []
+
+    def doubling(count):
+        def doubled(n):
+            calls.append(n)
+            return 2 * count(n)
+        return doubled
+
+    wrapped = WrappedWhileNeeded(pools, "count", doubling)
+    wrapped.off()  # never on: nothing to give back
+    assert "count" not in vars(pools)
+    wrapped.on()
+    wrapped.on()  # once
+    assert pools.count(3) == 6 and calls == [3]
+    wrapped.off()
+    assert "count" not in vars(pools) and pools.count(3) == 3  # the class's method again, not a copy of it
+    own = lambda n: n + 1  # noqa: E731 - an attribute of the object, put there before
+    pools.count = own
+    wrapped.on()
+    assert pools.count(3) == 8
+    wrapped.off()
+    assert pools.count is own
+    wrapped.on()
+    ours = pools.count
+    pools.count = lambda n: ours(n) - 1  # someone else's wrap, over ours
+    wrapped.off()
+    assert pools.count(3) == 7  # theirs stays, calling through ours

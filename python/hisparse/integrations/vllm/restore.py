@@ -33,6 +33,36 @@ if TYPE_CHECKING:
     from .coordinator import HisparseCoordinator
 
 
+class WrappedWhileNeeded:
+    """``owner.name`` wrapped (``wrap(method)`` around the method in place when turned :meth:`on`) until turned
+    :meth:`off`: for a method vLLM calls for every request every step, whose wrap matters only now and then.
+    Turned off, the method in place before is given back, unless another wrap has been put over this one since
+    (it then stays, calling through this one)."""
+
+    def __init__(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        self.owner, self.name, self.wrap = owner, name, wrap
+        self._wrapper: Callable | None = None
+        self._inner: Callable | None = None
+        self._own_attribute = False  # whether the method in place was the owner's attribute, not its class's
+
+    def on(self) -> None:
+        if self._wrapper is None:
+            self._own_attribute = self.name in vars(self.owner)
+            self._inner = getattr(self.owner, self.name)
+            self._wrapper = self.wrap(self._inner)
+            setattr(self.owner, self.name, self._wrapper)
+
+    def off(self) -> None:
+        if self._wrapper is None:
+            return
+        if vars(self.owner).get(self.name) is self._wrapper:
+            if self._own_attribute:
+                setattr(self.owner, self.name, self._inner)
+            else:
+                delattr(self.owner, self.name)
+        self._wrapper = self._inner = None
+
+
 class WholeRestores:
     """The requests restored whole (``requests``), and the wraps on vLLM's manager objects that give them
     resident blocks instead of a hot region: ``KVCacheManager.allocate_slots`` decides at admission and fills
@@ -58,10 +88,11 @@ class WholeRestores:
             for name in ("add_local_computed_blocks", "allocate_external_computed_blocks"):
                 self._wrap_admission(manager, name)
         self._pools = kv_cache_manager.coordinator
-        self._count = self._pools.get_num_blocks_to_allocate
-        self._restoring_count = self._counting(self._count)
-        self._manager = kv_cache_manager
-        allocate = self._allocate = kv_cache_manager.allocate_slots
+        self._allocation = WrappedWhileNeeded(kv_cache_manager, "allocate_slots", self._restoring)
+        self._count = WrappedWhileNeeded(self._pools, "get_num_blocks_to_allocate", self._counting)
+
+    def _restoring(self, allocate):
+        """vLLM's ``allocate_slots`` (``allocate``), which admits a short request on a prefix hit restored whole."""
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
             local = kwargs.get("num_new_computed_tokens", 0)
@@ -79,21 +110,21 @@ class WholeRestores:
             self._fill(request_id, local // self.block_size)
             return blocks
 
-        self._restoring_allocate = allocate_slots
+        return allocate_slots
 
     def expect(self, request) -> None:
         """vLLM has asked the connector for the waiting ``request``'s prefix hit: its allocation, later in this
         schedule pass, may admit it restored whole if it is short."""
         if self.is_short(request):
-            self._manager.allocate_slots = self._restoring_allocate
+            self._allocation.on()
 
     def end_pass(self) -> None:
         """The schedule pass is over: the next allocations are running requests' until vLLM asks again."""
-        self._manager.allocate_slots = self._allocate
+        self._allocation.off()
 
     def _track(self, request_id: str) -> None:
         self.requests.add(request_id)
-        self._pools.get_num_blocks_to_allocate = self._restoring_count
+        self._count.on()
 
     def _restorable(self, request, local: int, external: int, load_async: bool) -> bool:
         """A short request whose prefix's host pages hold their data before its first forward (module docstring)."""
@@ -187,4 +218,4 @@ class WholeRestores:
         self.requests.discard(request_id)
         self._unrestored.pop(request_id, None)
         if not self.requests:
-            self._pools.get_num_blocks_to_allocate = self._count
+            self._count.off()
