@@ -117,7 +117,7 @@ class Engine:
             # per request: the wall clock, whose read costs a quarter of the thread clock's (a system call of
             # about 0.5 us here, as much as hisparse's whole call), and which a call this short rarely loses
             # to another thread.
-            coordinator = connector.connector_scheduler.coordinator
+            coordinator = self.coordinator
             per_request = time.perf_counter
             for owner, clock, names in (
                     (connector, time.thread_time,
@@ -315,14 +315,13 @@ def by_transfers(e: Engine) -> dict:
     (``quiet``: a decode within its last page for every request) and in those that planned some (``sealing``:
     a page sealed, its copy planned, completed and published, an older page released, blocks handed out),
     with how many steps each and copies a sealing step: a step's work is mostly the one or the other."""
-    out = {}
-    for kind, steps in (("quiet", [i for i, n in enumerate(e.transfers) if not n]),
-                        ("sealing", [i for i, n in enumerate(e.transfers) if n])):
-        if steps:
-            out[kind] = {"steps": len(steps), "mean_us_per_running": round(
-                statistics.mean(e.connector_times[i] / e.running[i] for i in steps) * 1e6, 2)}
+    kinds = {"quiet": [i for i, n in enumerate(e.transfers) if not n],
+             "sealing": [i for i, n in enumerate(e.transfers) if n]}
+    out = {kind: {"steps": len(steps), "mean_us_per_running": round(
+               statistics.mean(e.connector_times[i] / e.running[i] for i in steps) * 1e6, 2)}
+           for kind, steps in kinds.items() if steps}
     if "sealing" in out:
-        out["sealing"]["copies_per_step"] = round(statistics.mean(n for n in e.transfers if n), 2)
+        out["sealing"]["copies_per_step"] = round(statistics.mean(e.transfers[i] for i in kinds["sealing"]), 2)
     return out
 
 
