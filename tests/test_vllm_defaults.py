@@ -395,3 +395,43 @@ def test_short_requests_keep_no_hot_region_in_reserve(monkeypatch):
     monkeypatch.setattr(HisparseCoordinator, "_longest", lambda self, request: None)
     reserved, _ = serve()
     assert stats.steps < reserved.steps, (stats.steps, reserved.steps)
+
+
+def test_admission_headroom_counts_what_vllm_holds():
+    """While requests wait, the first admission of each schedule pass gathers the pool's counts
+    (``HisparseCoordinator._has_headroom``) from only the requests not yet known to read through their hot
+    regions. Every time, under pressure on vLLM's defaults, they equal the counts taken the long way: every
+    running request asked whether it reads from the host (vLLM's own test, unremembered), every request vLLM
+    asked for a region counted for the blocks it still lacks."""
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    jobs = [H.Job(f"p{i}", H.prompt(i, 8448), 32, arrival=i) for i in range(12)]
+    setup = H.build(mode="hisparse", gpu_gib=1.7, max_model_len=9216, async_scheduling=True, host_pool_gib=24)
+    coord = setup.scheduler.connector.coordinator
+    gathered = []
+
+    class Checked:
+        def __init__(self, order):
+            self.order = order
+
+        def __getattr__(self, name):
+            return getattr(self.order, name)
+
+        def has_headroom(self, *args, **counts):
+            running = coord.resident_managers[0].req_to_blocks
+            reading = [rid for rid in running if HiSparseCoordinator._can_read_from_host(coord, rid)]
+            expected = {
+                "free_blocks": coord.gpu_pool.get_num_free_blocks(), "running": len(running),
+                "reading_host": len(reading),
+                "owed_hot_blocks": sum(m.get_num_required_blocks(rid) for m in coord.hot_managers
+                                       for rid in m.hot_required),
+                "may_take_hot": any(rid not in reading and coord._may_take_hot_region(rid) for rid in running)}
+            assert counts == expected
+            gathered.append(counts)
+            return self.order.has_headroom(*args, **counts)
+
+    coord.order = Checked(coord.order)
+    H.run(setup, H.FakeWorker(setup, layers=LAYERS, completion_lag=1), jobs)
+    assert coord.counters["admissions_deferred"] > 0, coord.counters
+    assert any(c["reading_host"] for c in gathered) and any(c["running"] > c["reading_host"] for c in gathered)
+    assert any(c["owed_hot_blocks"] for c in gathered) or any(c["may_take_hot"] for c in gathered), gathered

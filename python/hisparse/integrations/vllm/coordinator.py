@@ -213,12 +213,18 @@ class HisparseCoordinator(Bookkeeping):
 
     def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
                       num_running: int, longest: int | None) -> bool:
-        """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers."""
+        """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers. Asked once a
+        schedule pass while requests wait, so it reads only the requests not known to read through their hot
+        regions (under pressure, few): one that does holds every region whole until it is freed
+        (``_can_read_from_host``), so it owes no block and reads from the host. vLLM keeps every request it
+        asked for a region in ``hot_required`` until it is freed."""
+        reads_host = self._reads_host
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
-                   for rid in manager.hot_required)
+                   for rid in manager.hot_required - reads_host)
         running = self.resident_managers[0].req_to_blocks
-        reading_host = sum(1 for rid in running if self._can_read_from_host(rid))
-        may_take_hot = any(not self._can_read_from_host(rid) and self._may_take_hot_region(rid) for rid in running)
+        resident_only = [rid for rid in running.keys() - reads_host if not self._can_read_from_host(rid)]
+        reading_host = len(running) - len(resident_only)
+        may_take_hot = any(self._may_take_hot_region(rid) for rid in resident_only)
         return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, longest,
                                        free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
                                        reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
