@@ -185,8 +185,12 @@ class HisparseCoordinator(Bookkeeping):
         waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
         long request would otherwise be overtaken by every shorter one for as long as they keep coming).
         ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
-        if self.restores is not None:
-            self.restores.expect(request)
+        admitted = self._admits(request, num_computed_tokens, admission_tokens, can_wait)
+        if self.restores is not None and (admitted or not can_wait):
+            self.restores.expect(request)  # vLLM allocates for it later in this pass
+        return admitted
+
+    def _admits(self, request, num_computed_tokens: int, admission_tokens: int, can_wait: bool) -> bool:
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
