@@ -326,7 +326,8 @@ class Bookkeeping(HiSparseCoordinator):
     # hits) look the page up in each resident group's row, one call a group (six for DeepSeek-V3.2), and touch
     # or release its blocks one group at a time; the page's blocks sit side by side in the core's rows, and
     # the groups share one pool (checked in ``__init__``): one lookup, and one pool call where vLLM makes one
-    # a group with the same effect (``touch`` and ``unpin_blocks`` of a list are those of its blocks in turn).
+    # a group with the same effect (``touch`` and ``unpin_blocks`` of a list are those of its blocks in turn,
+    # ``free_blocks`` of a list too where it frees none).
     # vLLM reaches these only with resident groups (its callers return first without), so with the rows.
 
     def _page_blocks(self, request_id: str, page_idx: int) -> list | None:
@@ -366,6 +367,23 @@ class Bookkeeping(HiSparseCoordinator):
         state.pinned_clean.discard(page_idx)
         state.unpinned_pages.add(page_idx)
         return True
+
+    def _apply_enqueued_spills(self) -> None:
+        # vLLM's gives back a copied page's pins (each transfer's reference to its blocks, taken when planned)
+        # one group at a time. Where every block stays held by its request, the frees only count down, so
+        # one call does for all; a page whose request is gone goes back block by block, in vLLM's queue order.
+        pool = self.gpu_pool
+        for pending in self.pending_spills.values():
+            if (pending.enqueue_applied or not pending.expected_worker_completions
+                    or pending.worker_completions < pending.expected_worker_completions):
+                continue
+            blocks = pending.resident_blocks
+            if all(block.ref_cnt > 1 for block in blocks):
+                pool.free_blocks(blocks)
+            else:
+                for block in blocks:
+                    pool.free_blocks([block])
+            pending.enqueue_applied = True
 
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
         # vLLM's, whose test that every group holds the page on the GPU is _plan_page_transfer's first (it
