@@ -370,8 +370,9 @@ class Bookkeeping(HiSparseCoordinator):
 
     def _apply_enqueued_spills(self) -> None:
         # vLLM's gives back a copied page's pins (each transfer's reference to its blocks, taken when planned)
-        # one group at a time. Where every block stays held by its request, the frees only count down, so
-        # one call does for all; a page whose request is gone goes back block by block, in vLLM's queue order.
+        # one group at a time, each to its group's pool: here one pool (``__init__``) and a block a group. Where
+        # every block stays held by its request, the frees only count down, so one call does for all; a page
+        # whose request is gone goes back block by block, in vLLM's queue order.
         pool = self.gpu_pool
         for pending in self.pending_spills.values():
             if (pending.enqueue_applied or not pending.expected_worker_completions

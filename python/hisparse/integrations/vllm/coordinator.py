@@ -221,7 +221,8 @@ class HisparseCoordinator(Bookkeeping):
         schedule pass while requests wait, so it reads only the requests not known to read through their hot
         regions (under pressure, few): one that does holds every region whole until it is freed
         (``_can_read_from_host``), so it owes no block and reads from the host. vLLM keeps every request it
-        asked for a region in ``hot_required`` until it is freed."""
+        asked for a region in ``hot_required`` until it is freed (those restored whole, which never hold one,
+        leave it earlier: ``restore.py``)."""
         reads_host = self._reads_host
         owed = sum(manager.get_num_required_blocks(rid) for manager in self.hot_managers
                    for rid in manager.hot_required - reads_host)
