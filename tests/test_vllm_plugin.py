@@ -126,6 +126,24 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     assert busy({"a": 1}, {"a": 10}) == ["a"]
     with pytest.raises(hisparse_errors.InvalidArgumentError, match="computed has no entry for request a"):
         busy({"a": 1}, {})
+    # A scan finds each request's rows where the last scan had the same id string: one whose rows are gone
+    # since, their slot now another request's, is looked up by name (and has none).
+    gone, new = "".join(["gone"]), "".join(["new"])  # strings of their own, as vLLM's ids are
+
+    def mirrored(request, pages):
+        got = RowMirrors(*rows.scan({request: 4}, {request: 0})[0], 2)[request]
+        return [mirror.destination_start // 4 for mirror in got] == pages
+
+    for group, ids in ((0, [1]), (1, [2]), (None, [3])):
+        rows.set(gone, group, ids)
+    assert mirrored(gone, [3]) and mirrored(gone, [3])
+    for group in (0, 1, None):
+        rows.clear(gone, group)
+    for group, ids in ((0, [4]), (1, [5]), (None, [6])):
+        rows.set(new, group, ids)
+    assert mirrored(gone, []) and busy({gone: 1}, {gone: 0}) == [gone] and mirrored(new, [6])
+    for group in (0, 1, None):
+        rows.clear(new, group)
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
     # A page's blocks in every group by group, as a residency update sends them (the pool's null block where a
     # group reads the page from the host, or has no block for it); a page's blocks as the pool's objects.

@@ -14,7 +14,7 @@
 //! the engine reads its state for the few requests that are not quiet.
 
 use crate::error::{invalid, Result};
-use crate::ids::IdMap;
+use crate::slab::{Handle, NamedSlab};
 
 /// A page with no GPU block in its group: it is read from the host (vLLM's null block).
 pub const HOST_ONLY: u32 = u32::MAX;
@@ -121,10 +121,12 @@ fn busy(rows: Option<&Rows>, tokens: u64) -> bool {
 }
 
 /// One scheduled request's step, as [`BlockRows::scan`] reads it: `mirror_rows` token rows to mirror from
-/// `mirror_from`, and the tokens computed once the step has run (`end`).
+/// `mirror_from`, and the tokens computed once the step has run (`end`). `handle`, when the caller kept one
+/// for `request` (a previous scan's [`Scan::handles`]), finds its rows without the name while it is current.
 #[derive(Clone, Copy, Debug)]
 pub struct Step<'a> {
     pub request: &'a str,
+    pub handle: Option<Handle>,
     pub mirror_from: u64,
     pub mirror_rows: u64,
     pub end: u64,
@@ -143,6 +145,8 @@ pub struct Scan {
     pub all_resident: bool,
     /// The steps, by index, that may need the engine's bookkeeping ([`BlockRows::busy`]).
     pub busy: Vec<usize>,
+    /// Each step's request's handle (none: it has no rows), for the caller's next scan ([`Step::handle`]).
+    pub handles: Vec<Option<Handle>>,
 }
 
 impl Scan {
@@ -156,6 +160,7 @@ impl Scan {
             rows: Vec::with_capacity(steps),
             all_resident: true,
             busy: Vec::with_capacity(steps),
+            handles: Vec::with_capacity(steps),
         }
     }
 
@@ -177,7 +182,8 @@ impl Scan {
 pub struct BlockRows {
     groups: usize,
     block_size: u32,
-    requests: IdMap<String, Rows>,
+    /// By request id, or through the handle a scan returned for it ([`Scan::handles`]).
+    requests: NamedSlab<Rows>,
     /// Row changes so far: the engine tells whether any row changed between two of its calls.
     changes: u64,
 }
@@ -191,7 +197,7 @@ impl BlockRows {
                  {groups} groups of {block_size}"
             ));
         }
-        Ok(Self { groups, block_size, requests: IdMap::default(), changes: 0 })
+        Ok(Self { groups, block_size, requests: NamedSlab::default(), changes: 0 })
     }
 
     pub fn groups(&self) -> usize {
@@ -220,7 +226,7 @@ impl BlockRows {
     fn rows_mut(&mut self, request: &str, row: Row) -> Result<(&mut Rows, usize)> {
         let k = self.index(row)?;
         let stride = self.groups + 1;
-        Ok((self.requests.entry(request.to_owned()).or_insert_with(|| Rows::new(stride)), k))
+        Ok((self.requests.get_or_insert_with(request, || Rows::new(stride)), k))
     }
 
     fn index(&self, row: Row) -> Result<usize> {
@@ -288,7 +294,7 @@ impl BlockRows {
     /// A row was given back (its request freed or preempted); a request with no row left is forgotten.
     pub fn clear(&mut self, request: &str, row: Row) -> Result<()> {
         self.set(request, row, Vec::new())?;
-        if self.requests[request].lens.iter().all(|&len| len == 0) {
+        if self.requests.get(request).is_some_and(|rows| rows.lens.iter().all(|&len| len == 0)) {
             self.requests.remove(request);
         }
         Ok(())
@@ -402,12 +408,23 @@ impl BlockRows {
     /// need the engine's bookkeeping ([`BlockRows::busy`] at its end).
     ///
     /// A batch's rows are cold when the engine asks (it has run its own code since the last step), and each
-    /// request's are reached through dependent loads (its map entry, then its row lengths and the page the
-    /// step writes). So every request is looked up first and those two lines read in a second pass, whose
-    /// loads do not depend on each other: the cache misses of many requests overlap, where one loop would wait
-    /// out each request's in turn.
+    /// request's are reached through dependent loads (its slot, then its row lengths and the page the step
+    /// writes). So every request is found first (through the handle the caller kept, [`Step::handle`], else
+    /// by name: the map's bucket and the name's allocation, two more cold lines) and those two lines read in
+    /// a second pass, whose loads do not depend on each other: the cache misses of many requests overlap,
+    /// where one loop would wait out each request's in turn.
     pub fn scan(&self, steps: &[Step]) -> Scan {
-        let found: Vec<Option<&Rows>> = steps.iter().map(|step| self.requests.get(step.request)).collect();
+        let mut scan = Scan::with_capacity(steps.len(), self.groups);
+        let found: Vec<Option<&Rows>> = steps
+            .iter()
+            .map(|step| {
+                let handle = (step.handle)
+                    .filter(|&handle| self.requests.by_handle(handle).is_some())
+                    .or_else(|| self.requests.handle(step.request));
+                scan.handles.push(handle);
+                handle.and_then(|handle| self.requests.by_handle(handle))
+            })
+            .collect();
         let block_size = u64::from(self.block_size);
         let mut touched = 0u64;
         for (step, rows) in steps.iter().zip(&found) {
@@ -418,7 +435,6 @@ impl BlockRows {
             }
         }
         std::hint::black_box(touched);
-        let mut scan = Scan::with_capacity(steps.len(), self.groups);
         for (i, (step, rows)) in steps.iter().zip(found).enumerate() {
             let made =
                 rows.map_or(0, |rows| self.push_mirrors(rows, step.mirror_from, step.mirror_rows, &mut scan));
@@ -506,10 +522,10 @@ mod tests {
         rows.set("b", Row::Host, vec![5, 6]).unwrap();
         rows.quiet("a", 9);
         let steps = [
-            Step { request: "a", mirror_from: 3, mirror_rows: 6, end: 8 },
-            Step { request: "gone", mirror_from: 0, mirror_rows: 4, end: 4 },
-            Step { request: "b", mirror_from: 0, mirror_rows: 8, end: 8 },
-            Step { request: "a", mirror_from: 8, mirror_rows: 2, end: 10 },
+            Step { request: "a", handle: None, mirror_from: 3, mirror_rows: 6, end: 8 },
+            Step { request: "gone", handle: None, mirror_from: 0, mirror_rows: 4, end: 4 },
+            Step { request: "b", handle: None, mirror_from: 0, mirror_rows: 8, end: 8 },
+            Step { request: "a", handle: None, mirror_from: 8, mirror_rows: 2, end: 10 },
         ];
         let scan = rows.scan(&steps);
         for (i, step) in steps.iter().enumerate() {
@@ -523,6 +539,27 @@ mod tests {
         assert_eq!(scan.busy, vec![1, 2, 3], "a is quiet below 9 tokens; a request with no rows never is");
         assert!(!scan.all_resident, "b reads its page 1 from the host");
         assert!(rows.scan(&steps[..1]).all_resident && rows.scan(&[]).all_resident);
+        assert_eq!(scan.handles[1], None, "no rows, no handle");
+
+        // The same steps with the handles the scan returned: the same views.
+        let kept: Vec<Step> =
+            steps.iter().zip(&scan.handles).map(|(step, &handle)| Step { handle, ..*step }).collect();
+        assert_eq!(rows.scan(&kept), scan);
+        // "b" leaves and "c" takes its slot: b's kept handle no longer reaches it, and the name is read.
+        rows.clear("b", Row::Resident(0)).unwrap();
+        rows.clear("b", Row::Resident(1)).unwrap();
+        rows.clear("b", Row::Host).unwrap();
+        rows.set("c", Row::Host, vec![7]).unwrap();
+        let b_kept = kept[2];
+        let again = rows.scan(&[b_kept, Step { request: "c", ..b_kept }]);
+        assert_eq!(
+            (again.counts, again.busy),
+            (vec![0, 0], vec![0, 1]),
+            "b has no rows; c has no resident rows"
+        );
+        assert_eq!(again.handles[0], None);
+        let c_kept = Step { request: "c", handle: again.handles[1], ..b_kept };
+        assert_eq!(rows.scan(&[c_kept]).handles, again.handles[1..]);
     }
 
     #[test]

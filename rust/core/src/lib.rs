@@ -6,6 +6,7 @@
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
+//! - [`slab`]: values found by name, or through a handle kept from one step to the next.
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`lru_stamps`]: the hot region's LRU as stamps (the rules `reference` follows), proven against the
 //!   permutation it replaced.
@@ -27,6 +28,7 @@ pub mod page;
 pub mod plan;
 pub mod pool_policy;
 pub mod reference;
+pub mod slab;
 pub mod worker;
 
 pub use config::{steady_state_blocks, Config, Options, PressurePolicy};

@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use hisparse_core::block_rows::{BlockRows as CoreBlockRows, Row, Step, HOST_ONLY};
+use hisparse_core::slab::Handle;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
@@ -64,6 +65,11 @@ fn row(group: Option<&Bound<'_, PyAny>>) -> PyResult<Row> {
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct BlockRows {
     inner: Mutex<CoreBlockRows>,
+    /// The last scan's requests, in order, with the handle of each one's rows: vLLM schedules its running
+    /// requests in the same order step after step (the same id strings), so the next scan finds most rows
+    /// by position, without a lookup by name (``hisparse_core::slab``). Holding the strings keeps them alive,
+    /// so a string at the same address is the same request.
+    last_scan: Mutex<Vec<(Py<PyString>, Option<Handle>)>>,
 }
 
 impl BlockRows {
@@ -78,7 +84,7 @@ impl BlockRows {
     #[new]
     fn new(groups: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
         let rows = CoreBlockRows::new(int(groups, "groups")?, int(block_size, "block_size")?).py()?;
-        Ok(Self { inner: Mutex::new(rows) })
+        Ok(Self { inner: Mutex::new(rows), last_scan: Mutex::new(Vec::new()) })
     }
 
     /// Replaces a row whole (``group`` ``None``: the host row); ``None`` in ``ids`` is a page read from the host.
@@ -252,8 +258,8 @@ impl BlockRows {
     /// bytes, ``counts`` a u32 per request (its mirrors, in order), and per mirror ``groups`` i64 source
     /// starts, an i64 destination start and an i64 row count. No Python object is made per request or
     /// mirror: ``hisparse.integrations.vllm.mirrors.RowMirrors`` reads them as vLLM's mapping where it is
-    /// read (vLLM's worker). One new row per request per decode step, so the scan is a lookup per request:
-    /// the GIL is kept.
+    /// read (vLLM's worker). One new row per request per decode step, so the scan is a lookup per request
+    /// (by position, where the last scan had the same request there: ``last_scan``): the GIL is kept.
     #[pyo3(signature = (scheduled, computed, lookahead=None, back=None))]
     fn scan<'py>(
         &self,
@@ -266,20 +272,28 @@ impl BlockRows {
         let lookahead = opt_int::<u64>(lookahead, "lookahead")?.unwrap_or(0);
         let back = back.filter(|b| !b.is_none()).map(|b| dict(b, "back")).transpose()?;
         let requests = steps(dict(scheduled, "scheduled")?, dict(computed, "computed")?)?;
+        let mut last_scan = crate::locked(&self.last_scan);
         let mut batch = Vec::with_capacity(requests.len());
-        for (request, count, start) in &requests {
+        for (i, (request, count, start)) in requests.iter().enumerate() {
             let first = match &back {
                 Some(back) => start.saturating_sub(item(back, request, "back")?),
                 None => *start,
             };
+            let kept = last_scan.get(i).filter(|(last, _)| last.as_ptr() == request.as_ptr());
             batch.push(Step {
                 request: request.to_str()?,
+                handle: kept.and_then(|&(_, handle)| handle),
                 mirror_from: first,
                 mirror_rows: count.saturating_add(start - first).saturating_add(lookahead),
                 end: start.saturating_add(*count),
             });
         }
         let scan = self.with(|rows| rows.scan(&batch));
+        *last_scan = requests
+            .iter()
+            .zip(&scan.handles)
+            .map(|((request, ..), &handle)| (request.clone().unbind(), handle))
+            .collect();
         let ids = PyList::new(py, requests.iter().map(|(request, _, _)| request))?;
         let busy = PyList::new(py, scan.busy.iter().map(|&i| &requests[i].0))?;
         let wide = |values: &[u64]| packed(py, values.iter().map(|&v| (v as i64).to_ne_bytes()));
