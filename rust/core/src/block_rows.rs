@@ -34,6 +34,10 @@ pub enum Row {
     Host,
 }
 
+/// The most rows (resident groups and the host's) whose last common page [`Rows`] keeps beside its other
+/// fields ([`Rows::tail`]): DeepSeek-V3.2's layout has seven.
+const TAIL_ROWS: usize = 8;
+
 /// A request's rows, page by page: row `k`'s block of page `p` (the resident groups' rows, then the host's)
 /// at `ids[p * stride + k]`, so a page's blocks share the cache line a mirror of it reads (a scan over the
 /// batch finds every request's rows cold). Each row has its own length; the slots past it are unused.
@@ -45,11 +49,18 @@ struct Rows {
     host_only: usize,
     /// A step ending below this many tokens needs none of the engine's bookkeeping (0: any step may).
     quiet_below: u64,
+    /// The shortest row's length: the pages every row holds, the only ones a mirror reads.
+    shortest: usize,
+    /// Page `shortest - 1` of every row (with at most [`TAIL_ROWS`] rows): the page a decode step writes,
+    /// which a batch scan reads for every request. Read here, beside the fields the scan reads anyway, it
+    /// costs no line of `ids`, far into a long request's rows and cold (the scan's cost grew with context).
+    tail: [u32; TAIL_ROWS],
 }
 
 impl Rows {
     fn new(stride: usize) -> Self {
-        Self { ids: Vec::new(), lens: vec![0; stride], host_only: 0, quiet_below: 0 }
+        let tail = [HOST_ONLY; TAIL_ROWS];
+        Self { ids: Vec::new(), lens: vec![0; stride], host_only: 0, quiet_below: 0, shortest: 0, tail }
     }
 
     fn stride(&self) -> usize {
@@ -65,8 +76,28 @@ impl Rows {
         (page < self.lens[k]).then(|| self.ids[page * self.stride() + k])
     }
 
+    /// Every row's block of `page`, which every row holds (below [`Rows::shortest`]).
+    fn page(&self, page: usize) -> &[u32] {
+        let stride = self.stride();
+        if page + 1 == self.shortest && stride <= TAIL_ROWS {
+            &self.tail[..stride]
+        } else {
+            &self.ids[page * stride..(page + 1) * stride]
+        }
+    }
+
     fn row(&self, k: usize) -> Vec<u32> {
         (0..self.lens[k]).map(|page| self.ids[page * self.stride() + k]).collect()
+    }
+
+    /// Brings [`Rows::shortest`] and [`Rows::tail`] up to date, after any change of `ids` or `lens`.
+    fn changed(&mut self) {
+        let stride = self.stride();
+        self.shortest = self.lens.iter().min().copied().unwrap_or(0);
+        if stride <= TAIL_ROWS && self.shortest > 0 {
+            let page = self.shortest - 1;
+            self.tail[..stride].copy_from_slice(&self.ids[page * stride..(page + 1) * stride]);
+        }
     }
 
     fn truncate(&mut self, k: usize) {
@@ -74,6 +105,7 @@ impl Rows {
             self.host_only -= self.row(k).iter().filter(|&&id| id == HOST_ONLY).count();
         }
         self.lens[k] = 0;
+        self.changed();
     }
 
     fn extend(&mut self, k: usize, ids: &[u32]) {
@@ -89,6 +121,7 @@ impl Rows {
             self.host_only += ids.iter().filter(|&&id| id == HOST_ONLY).count();
         }
         self.lens[k] = end;
+        self.changed();
     }
 
     fn set_page(&mut self, k: usize, page: usize, id: u32) -> Result<()> {
@@ -100,6 +133,7 @@ impl Rows {
         }
         let stride = self.stride();
         self.ids[page * stride + k] = id;
+        self.changed();
         Ok(())
     }
 }
@@ -365,10 +399,9 @@ impl BlockRows {
 
     /// Appends to `scan` the mirrors of rows `start .. start + count` ([`BlockRows::mirrors`]); returns how many.
     fn push_mirrors(&self, rows: &Rows, start: u64, count: u64, scan: &mut Scan) -> u32 {
-        let block_size = u64::from(self.block_size);
+        let (block_size, groups) = (u64::from(self.block_size), self.groups);
         // A page past the shortest row is never mirrored: the walk stops there, whatever `count` says.
-        let shortest = rows.lens.iter().min().copied().unwrap_or(0) as u64;
-        let end = start.saturating_add(count).min(shortest.saturating_mul(block_size));
+        let end = start.saturating_add(count).min((rows.shortest as u64).saturating_mul(block_size));
         let mut made = 0;
         let mut position = start;
         while position < end {
@@ -376,15 +409,12 @@ impl BlockRows {
             let num_rows = (block_size - offset).min(end - position);
             position += num_rows;
             let Ok(page) = usize::try_from(page) else { break };
-            let block_at = |k: usize| rows.get(k, page).filter(|&id| id != HOST_ONLY);
-            let Some(host) = block_at(self.groups) else { continue };
-            if (0..self.groups).any(|g| block_at(g).is_none()) {
-                continue;
+            let ids = rows.page(page);
+            if ids.contains(&HOST_ONLY) {
+                continue; // a group reads the page from the host, or the host has no block for it
             }
-            scan.sources.extend(
-                (0..self.groups).map(|g| rows.ids[page * rows.stride() + g] as u64 * block_size + offset),
-            );
-            scan.destinations.push(u64::from(host) * block_size + offset);
+            scan.sources.extend(ids[..groups].iter().map(|&id| u64::from(id) * block_size + offset));
+            scan.destinations.push(u64::from(ids[groups]) * block_size + offset);
             scan.rows.push(u32::try_from(num_rows).expect("a span is at most one page of rows"));
             made += 1;
         }
@@ -400,19 +430,20 @@ impl BlockRows {
 
     fn resident_through(&self, rows: Option<&Rows>, tokens: u64) -> bool {
         let pages = tokens.div_ceil(u64::from(self.block_size));
-        rows.map_or(pages == 0, |rows| rows.lens[0] as u64 >= pages && rows.host_only == 0)
+        rows.map_or(pages == 0, |rows| rows.host_only == 0 && rows.lens[0] as u64 >= pages)
     }
 
     /// vLLM's per-step views of a batch, in one pass: each step's mirrors ([`BlockRows::mirrors`]), whether
     /// every step reads only resident pages ([`BlockRows::all_resident`] at its end), and the steps that may
     /// need the engine's bookkeeping ([`BlockRows::busy`] at its end).
     ///
-    /// A batch's rows are cold when the engine asks (it has run its own code since the last step), and each
-    /// request's are reached through dependent loads (its slot, then its row lengths and the page the step
-    /// writes). So every request is found first (through the handle the caller kept, [`Step::handle`], else
-    /// by name: the map's bucket and the name's allocation, two more cold lines) and those two lines read in
-    /// a second pass, whose loads do not depend on each other: the cache misses of many requests overlap,
-    /// where one loop would wait out each request's in turn.
+    /// A batch's rows are cold when the engine asks (it has run its own code since the last step). A decode
+    /// step reads only its request's slot: the fields it tests and the page it writes ([`Rows::tail`]); a
+    /// step that mirrors an earlier page reads that page in `ids` too, through the slot. So every request is
+    /// found first (through the handle the caller kept, [`Step::handle`], else by name: the map's bucket and
+    /// the name's allocation, two more cold lines) and what it reads loaded in a second pass, whose loads do
+    /// not depend on each other: the cache misses of many requests overlap, where one loop would wait out
+    /// each request's in turn.
     pub fn scan(&self, steps: &[Step]) -> Scan {
         let mut scan = Scan::with_capacity(steps.len(), self.groups);
         let found: Vec<Option<&Rows>> = steps
@@ -430,8 +461,11 @@ impl BlockRows {
         for (step, rows) in steps.iter().zip(&found) {
             if let Some(rows) = rows {
                 let page = usize::try_from(step.mirror_from / block_size).unwrap_or(usize::MAX);
-                touched ^= rows.lens[0] as u64
-                    ^ u64::from(rows.ids.get(page.saturating_mul(rows.stride())).copied().unwrap_or(0));
+                touched ^= rows.quiet_below ^ u64::from(rows.tail[0]);
+                if page.saturating_add(1) != rows.shortest {
+                    touched ^=
+                        u64::from(rows.ids.get(page.saturating_mul(rows.stride())).copied().unwrap_or(0));
+                }
             }
         }
         std::hint::black_box(touched);
@@ -450,7 +484,81 @@ impl BlockRows {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// vLLM's `build_row_mirrors` over rows as plain vectors (`rows[k]`: row `k`'s ids, the host's last): the
+    /// specification [`BlockRows::mirrors`] must meet, whatever it keeps inline.
+    fn mirrors_of(rows: &[Vec<u32>], block_size: u64, start: u64, count: u64) -> Vec<Mirror> {
+        let groups = rows.len() - 1;
+        let shortest = rows.iter().map(Vec::len).min().unwrap_or(0) as u64;
+        let mut out = Vec::new();
+        let mut position = start;
+        while position < start.saturating_add(count).min(shortest * block_size) {
+            let (page, offset) = ((position / block_size) as usize, position % block_size);
+            let num_rows =
+                (block_size - offset).min(start + count - position).min(shortest * block_size - position);
+            position += num_rows;
+            if rows.iter().any(|row| row[page] == HOST_ONLY) {
+                continue;
+            }
+            out.push(Mirror {
+                sources: (0..groups).map(|g| u64::from(rows[g][page]) * block_size + offset).collect(),
+                destination: u64::from(rows[groups][page]) * block_size + offset,
+                rows: num_rows as u32,
+            });
+        }
+        out
+    }
+
+    /// A change of a request's rows: `(op, row, page or length, id)`, read modulo what exists.
+    fn change() -> impl Strategy<Value = (u8, usize, usize, u32)> {
+        (0..5u8, 0..16usize, 0..12usize, prop_oneof![0..6u32, Just(HOST_ONLY)])
+    }
+
+    proptest! {
+        /// Through any changes, and with few rows (the last common page kept inline) or many, every scan
+        /// mirrors what the rows hold, at every window.
+        #[test]
+        fn scans_mirror_what_the_rows_hold(groups in prop::sample::select(vec![1usize, 6, 7, 9]),
+                                          changes in prop::collection::vec(change(), 1..40)) {
+            let mut rows = BlockRows::new(groups, 4).unwrap();
+            let mut plain = vec![Vec::new(); groups + 1];
+            for (op, k, n, id) in changes {
+                let (k, row) = (k % (groups + 1), if k % (groups + 1) == groups { Row::Host } else { Row::Resident(k % (groups + 1)) });
+                match op {
+                    0 => {
+                        rows.extend("a", row, &vec![id; n % 3 + 1]).unwrap();
+                        plain[k].extend(vec![id; n % 3 + 1]);
+                    }
+                    1 => {
+                        rows.set("a", row, vec![id; n]).unwrap();
+                        plain[k] = vec![id; n];
+                    }
+                    2 if !plain[k].is_empty() => {
+                        let page = n % plain[k].len();
+                        rows.set_page("a", row, page, id).unwrap();
+                        plain[k][page] = id;
+                    }
+                    3 => {
+                        rows.drop_page("a", n);
+                        for row in &mut plain[..groups] {
+                            if let Some(slot) = row.get_mut(n) {
+                                *slot = HOST_ONLY;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                for start in 0..20 {
+                    for count in [1, 3, 4, 9] {
+                        prop_assert_eq!(rows.mirrors("a", start, count), mirrors_of(&plain, 4, start, count));
+                    }
+                }
+            }
+        }
+    }
 
     fn rows() -> BlockRows {
         let mut rows = BlockRows::new(2, 4).unwrap();
