@@ -660,8 +660,9 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "scheduled must be a dict": lambda: rows.scan(types.MappingProxyType({"a": 1}), {"a": 0}),
         "lookahead": lambda: rows.scan({"a": 1}, {"a": 0}, -1),
         "groups ": lambda: _core.unpack_row_mirrors(object, ["a"], count, b"", two, two, -1),
-        "page_tokens": lambda: _core.PublishGate({}, -64, object()),
-        "num_tokens": lambda: _core.PublishGate({}, 64, object()).cache_blocks(object(), -1, replay_boundaries=()),
+        "page_tokens": lambda: _core.PublishGate(-64, object()),
+        "num_tokens": lambda: _core.PublishGate(64, object()).cache_blocks(object(), -1, replay_boundaries=()),
+        "pages": lambda: _core.PublishGate(64, object()).mark("a", -1),
     }
     before = rows.row("a", 0), rows.row_len("a", None), len(policy)
     for name, call in calls.items():

@@ -193,14 +193,16 @@ def test_block_rows_grow_as_vllm_appends_and_hand_back_rows_changed_elsewhere():
 
 def test_the_publication_gate_answers_a_known_page_count_and_hands_on_the_rest():
     """``PublishGate.cache_blocks`` (vLLM's host group's, called for every request every step): nothing for a
-    request at the page count its coordinator found publishes nothing; otherwise the coordinator's
-    ``publish_when_ready``, looked up at each call, with vLLM's arguments as given."""
+    request marked with the page count its coordinator found publishes nothing; otherwise (another count, no
+    mark, a mark taken back) the coordinator's ``publish_when_ready``, looked up at each call, with vLLM's
+    arguments as given. A call where the last pass had the same request reads its mark without the request's
+    id; a mark changed since is read as it now stands."""
     from types import SimpleNamespace
 
     calls = []
     owner = SimpleNamespace(publish_when_ready=lambda *args, **kwargs: calls.append((args, kwargs)))
-    published = {"a": 2}
-    gate = _core.PublishGate(published, 64, owner)
+    gate = _core.PublishGate(64, owner)
+    gate.mark("a", 2)
     a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
     gate.cache_blocks(a, 128, replay_boundaries=(0,))
     gate.cache_blocks(a, 191, None, replay_boundaries=(0,))
@@ -208,11 +210,31 @@ def test_the_publication_gate_answers_a_known_page_count_and_hands_on_the_rest()
     gate.cache_blocks(a, 192, 7, replay_boundaries=(64,))
     gate.cache_blocks(b, 0, replay_boundaries=())
     assert calls == [((a, 192, 7), {"replay_boundaries": (64,)}), ((b, 0, None), {"replay_boundaries": ()})]
-    published["b"] = 0  # the coordinator's dict, shared
-    owner.publish_when_ready = None  # a call now would fail: none is made
-    gate.cache_blocks(b, 63, replay_boundaries=())
+    gate.end_pass()
+
+    def one_pass(*steps):
+        calls.clear()
+        for request, tokens in steps:
+            gate.cache_blocks(request, tokens, replay_boundaries=())
+        gate.end_pass()
+        return [args[0] for args, _ in calls]
+
+    gate.mark("b", 0)
+    assert one_pass((a, 128), (b, 63)) == [], "b marked since the last pass: read as it stands"
+    assert one_pass((a, 128), (b, 63)) == [], "both found by position"
+    gate.unmark("a")
+    gate.mark("b", 1)
+    assert one_pass((a, 128), (b, 63)) == [a, b], "a's mark taken back, b's changed"
+    # Another request at a's position, then requests in another order: each read by its id.
+    c = SimpleNamespace(request_id="c")
+    gate.mark("a", 2)
+    gate.mark("c", 3)
+    assert one_pass((c, 192), (b, 64)) == [] and one_pass((b, 64), (a, 128), (c, 255)) == []
+    assert (gate.marked("b"), gate.marked("nobody"), len(gate)) == (1, None, 3)
+    gate.unmark_all()
+    assert one_pass((b, 64), (a, 128)) == [b, a] and len(gate) == 0
     with pytest.raises(hisparse_errors.InvalidArgumentError, match="page_tokens"):
-        _core.PublishGate({}, 0, owner)
+        _core.PublishGate(0, owner)
 
 
 def _selection_heat(rows: int = 4, pages: int = 12, **options):

@@ -1,44 +1,82 @@
 //! `hisparse._core.PublishGate`: the check vLLM's KV cache manager lands on when it asks the HiSparse host group
 //! to publish a request's pages, for every scheduled request every step. Most of those calls can publish
-//! nothing new: the request's page count is the one its coordinator last found so (`_publishes_nothing`,
-//! kept in a dict it owns). The gate's `cache_blocks` answers those without a Python frame and hands the
-//! others to the coordinator's `publish_when_ready`.
+//! nothing new: the request's page count is the one its coordinator last found so (`_publishes_nothing`),
+//! marked here. The gate's `cache_blocks` answers those without a Python frame and hands the others to the
+//! coordinator's `publish_when_ready`.
+//!
+//! vLLM calls between its allocations for each request, so whatever the gate reads is cold by then: reading
+//! the mark by request id (the request's attribute, then a dict entry and its value) cost about 0.3 us a call
+//! at 128 requests (`benches/vllm_step.py`). vLLM asks for the same requests in the same order pass after
+//! pass, so the gate keeps the last pass's requests in call order with the handle of each one's mark
+//! (`hisparse_core::slab`): a call at the position where the last pass had the same request object reads its
+//! mark through the handle, in a dense vector, without reading the request.
 
+use std::sync::Mutex;
+
+use hisparse_core::slab::{Handle, NamedSlab};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyString};
 
 use crate::args::int;
 use crate::errors::invalid;
 
+#[derive(Default)]
+struct Marks {
+    /// Request id -> the page count its publication was found to publish nothing at.
+    pages: NamedSlab<u64>,
+    /// The requests of the calls of the last pass, and of this one so far, in call order, each with its
+    /// mark's handle when it had one. Holding the requests keeps them alive: a request at the same address
+    /// is the same request.
+    calls: Vec<(Py<PyAny>, Option<Handle>)>,
+    /// Calls so far in this pass.
+    made: usize,
+}
+
 #[pyclass(frozen, module = "hisparse._core")]
 pub struct PublishGate {
-    /// Request id -> the page count found to publish nothing (the coordinator's, shared).
-    published: Py<PyDict>,
+    marks: Mutex<Marks>,
     page_tokens: u64,
     /// Whose `publish_when_ready` runs otherwise, looked up at each call (it may be wrapped).
     owner: Py<PyAny>,
 }
 
+impl PublishGate {
+    /// The handle of `request`'s mark, through the last pass's call at this position when it was the same
+    /// request with a mark that still stands, else by its id (kept for the next pass).
+    fn handle(&self, marks: &mut Marks, request: &Bound<'_, PyAny>) -> PyResult<Option<Handle>> {
+        let position = marks.made;
+        marks.made += 1;
+        if let Some((last, Some(handle))) = marks.calls.get(position) {
+            if last.as_ptr() == request.as_ptr() && marks.pages.by_handle(*handle).is_some() {
+                return Ok(Some(*handle));
+            }
+        }
+        let id = request.getattr(intern!(request.py(), "request_id"))?;
+        let handle = marks.pages.handle(id.cast::<PyString>()?.to_str()?);
+        let entry = (request.clone().unbind(), handle);
+        match marks.calls.get_mut(position) {
+            Some(slot) => *slot = entry,
+            None => marks.calls.push(entry),
+        }
+        Ok(handle)
+    }
+}
+
 #[pymethods]
 impl PublishGate {
-    /// A gate over ``published`` for pages of ``page_tokens`` tokens, falling through to
-    /// ``owner.publish_when_ready``.
+    /// A gate for pages of ``page_tokens`` tokens, falling through to ``owner.publish_when_ready``.
     #[new]
-    fn new(
-        published: Bound<'_, PyDict>,
-        page_tokens: &Bound<'_, PyAny>,
-        owner: Bound<'_, PyAny>,
-    ) -> PyResult<Self> {
+    fn new(page_tokens: &Bound<'_, PyAny>, owner: Bound<'_, PyAny>) -> PyResult<Self> {
         let page_tokens = int::<u64>(page_tokens, "page_tokens")?;
         if page_tokens == 0 {
             return Err(invalid("page_tokens must be positive".into()));
         }
-        Ok(Self { published: published.unbind(), page_tokens, owner: owner.unbind() })
+        Ok(Self { marks: Mutex::default(), page_tokens, owner: owner.unbind() })
     }
 
-    /// vLLM's ``cache_blocks`` of the host group: nothing when ``published[request.request_id]`` is
-    /// ``num_tokens``' page count, else ``owner.publish_when_ready`` with the same arguments.
+    /// vLLM's ``cache_blocks`` of the host group: nothing when ``request`` is marked with ``num_tokens``' page
+    /// count, else ``owner.publish_when_ready`` with the same arguments.
     #[pyo3(signature = (request, num_tokens, retention_interval=None, *, replay_boundaries))]
     fn cache_blocks(
         &self,
@@ -49,12 +87,13 @@ impl PublishGate {
         replay_boundaries: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let pages = int::<u64>(num_tokens, "num_tokens")? / self.page_tokens;
-        let request_id = request.getattr(intern!(py, "request_id"))?;
-        if let Some(known) = self.published.bind(py).get_item(&request_id)? {
-            if known.extract::<u64>().is_ok_and(|known| known == pages) {
+        {
+            let mut marks = crate::locked(&self.marks);
+            let handle = self.handle(&mut marks, request)?;
+            if handle.and_then(|handle| marks.pages.by_handle(handle)) == Some(&pages) {
                 return Ok(());
             }
-        }
+        } // unlocked: publish_when_ready marks and unmarks
         let kwargs = PyDict::new(py);
         kwargs.set_item(intern!(py, "replay_boundaries"), replay_boundaries)?;
         self.owner
@@ -62,5 +101,39 @@ impl PublishGate {
             .getattr(intern!(py, "publish_when_ready"))?
             .call((request, num_tokens, retention_interval), Some(&kwargs))?;
         Ok(())
+    }
+
+    /// ``request_id`` publishes nothing until its page count is other than ``pages``.
+    fn mark(&self, request_id: &str, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let pages = int::<u64>(pages, "pages")?;
+        *crate::locked(&self.marks).pages.get_or_insert_with(request_id, || pages) = pages;
+        Ok(())
+    }
+
+    /// ``request_id``'s next call goes to ``publish_when_ready`` whatever its page count.
+    fn unmark(&self, request_id: &str) {
+        crate::locked(&self.marks).pages.remove(request_id);
+    }
+
+    /// Every request's next call goes to ``publish_when_ready``.
+    fn unmark_all(&self) {
+        crate::locked(&self.marks).pages.clear();
+    }
+
+    /// The schedule pass ended: the next call is the next pass's first. The requests of calls this pass
+    /// did not make again are let go.
+    fn end_pass(&self) {
+        let mut marks = crate::locked(&self.marks);
+        let made = std::mem::take(&mut marks.made);
+        marks.calls.truncate(made);
+    }
+
+    /// The page count ``request_id`` is marked with, if any.
+    fn marked(&self, request_id: &str) -> Option<u64> {
+        crate::locked(&self.marks).pages.get(request_id).copied()
+    }
+
+    fn __len__(&self) -> usize {
+        crate::locked(&self.marks).pages.len()
     }
 }

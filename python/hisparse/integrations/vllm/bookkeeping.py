@@ -152,8 +152,9 @@ class Bookkeeping(HiSparseCoordinator):
             self._host_block_size = host.block_size
             self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
             self._hash_block_size = host.block_pool.hash_block_size
-        # Requests whose publish_when_ready publishes nothing until another page is computed: their pages.
-        self._published: dict[str, int] = {}
+        # Requests whose publish_when_ready publishes nothing until another page is computed, marked with their
+        # pages in the gate vLLM's host group calls for each (``bind``); None without resident groups.
+        self._gate: PublishGate | None = None
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
@@ -192,8 +193,9 @@ class Bookkeeping(HiSparseCoordinator):
         pools.allocate_new_blocks = allocate_new_blocks
         # vLLM's KV cache manager hands every request's step to the host group's cache_blocks, which only
         # forwards it to publish_when_ready: here a request whose page count publishes nothing new returns in
-        # that first call, in the core (``PublishGate``, over ``_published``).
-        self.host_manager.cache_blocks = PublishGate(self._published, self._host_block_size, self).cache_blocks
+        # that first call, in the core (``PublishGate``, over the marks ``_publishes_nothing`` leaves in it).
+        self._gate = PublishGate(self._host_block_size, self)
+        self.host_manager.cache_blocks = self._gate.cache_blocks
 
     def check_rows(self) -> None:
         """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
@@ -475,7 +477,7 @@ class Bookkeeping(HiSparseCoordinator):
                 state.publication = None if state.ready_prefix_pages >= num_pages else _PendingPublication(
                     request, num_computed_tokens, num_pages, retention_interval, replay_boundaries)
                 return
-        self._published.pop(request_id, None)
+        self._unmark(request_id)
         super().publish_when_ready(request, num_computed_tokens, retention_interval,
                                    replay_boundaries=replay_boundaries)
 
@@ -486,8 +488,8 @@ class Bookkeeping(HiSparseCoordinator):
         and the ready prefix changes only where vLLM publishes it in the same call: a copy's completion
         (``_complete_host_writes``) or an import's (``complete_host_import``), and ``commit_computed_blocks``
         before the request's first step. So once the host row and the block hashes reach past the computed
-        pages, the answer holds until another page is computed: remembered in ``_published`` (until the state
-        goes: ``free``); an answer for fewer pages than that is not, and any older one is dropped."""
+        pages, the answer holds until another page is computed: marked in the gate (until the state goes:
+        ``free``); an answer for fewer pages than that is not, and any older one is dropped."""
         durable = min(state.ready_prefix_pages, num_pages)
         request_id = request.request_id
         manager = self.host_manager
@@ -498,15 +500,24 @@ class Bookkeeping(HiSparseCoordinator):
         if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(durable, hashed):
             return False
         if host_blocks >= num_pages and hashed >= num_pages:
-            self._published[request_id] = num_pages
+            self._gate.mark(request_id, num_pages)
         else:
-            self._published.pop(request_id, None)
+            self._unmark(request_id)
         return True
+
+    def _unmark(self, request_id: str) -> None:
+        if self._gate is not None:
+            self._gate.unmark(request_id)
+
+    def end_pass(self) -> None:
+        """The schedule pass's last call (``build_connector_meta``): the gate's next call is the next pass's."""
+        if self._gate is not None:
+            self._gate.end_pass()
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self._reads_host.discard(request_id)
-        self._published.pop(request_id, None)
+        self._unmark(request_id)
         self.rows.wake(request_id)
 
     # What changes the state ``settle`` reads other than through the rows: the request is woken.
@@ -610,7 +621,8 @@ class Bookkeeping(HiSparseCoordinator):
         self.request_states.clear()
         self._resident_requests.clear()
         self._reads_host.clear()
-        self._published.clear()
+        if self._gate is not None:
+            self._gate.unmark_all()
         self.rows.clear_all()
         return True
 

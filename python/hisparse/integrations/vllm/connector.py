@@ -274,6 +274,7 @@ class HiSparseConnector(VllmHiSparseConnector):
             row_mirrors, resident, _ = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
         updates = coordinator.take_residency_updates(busy)
         coordinator.settle(busy)
+        coordinator.end_pass()
         return HiSparseConnectorMetadata(command, host_block_copies, tuple(source_block_ids), row_mirrors, resident,
                                          updates)
 
