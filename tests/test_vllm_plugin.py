@@ -4,6 +4,7 @@ selection heat (counting, ranking, the runtime it counts in) and the Rust pool p
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 
 import pytest
@@ -235,6 +236,30 @@ def test_the_publication_gate_answers_a_known_page_count_and_hands_on_the_rest()
     assert one_pass((b, 64), (a, 128)) == [b, a] and len(gate) == 0
     with pytest.raises(hisparse_errors.InvalidArgumentError, match="page_tokens"):
         _core.PublishGate(0, owner)
+
+
+def test_the_publication_gate_lets_go_of_requests_unlocked():
+    """A request the gate lets go of (another request at its place, or a pass that no longer calls for it) may
+    run Python as it is freed, which may call the gate: that runs, where freeing it under the gate's lock would
+    hang the process (in a child process here, so that a hang fails the test)."""
+    script = """
+from types import SimpleNamespace
+from hisparse import _core
+gate = _core.PublishGate(4, SimpleNamespace(publish_when_ready=lambda *a, **k: None))
+freed = []
+class Request:
+    def __init__(self, request_id): self.request_id = request_id
+    def __del__(self): freed.append(gate.marked(self.request_id))
+for replaced in (True, False):
+    gate.cache_blocks(Request("a"), 8, replay_boundaries=())
+    gate.end_pass()
+    if replaced:
+        gate.cache_blocks(SimpleNamespace(request_id="b"), 8, replay_boundaries=())
+    gate.end_pass()
+assert freed == [None, None], freed
+"""
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def _selection_heat(rows: int = 4, pages: int = 12, **options):

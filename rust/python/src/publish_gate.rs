@@ -26,8 +26,9 @@ struct Marks {
     /// Request id -> the page count its publication was found to publish nothing at.
     pages: NamedSlab<u64>,
     /// The requests of the calls of the last pass, and of this one so far, in call order, each with its
-    /// mark's handle when it had one. Holding the requests keeps them alive: a request at the same address
-    /// is the same request.
+    /// mark's handle when it had one. Holding the requests keeps them alive, so a request at the same address
+    /// is the same request; each is let go once a pass no longer calls for it at its place (`end_pass`, which
+    /// the connector calls at the end of every schedule pass).
     calls: Vec<(Py<PyAny>, Option<Handle>)>,
     /// Calls so far in this pass.
     made: usize,
@@ -42,24 +43,22 @@ pub struct PublishGate {
 }
 
 impl PublishGate {
-    /// The handle of `request`'s mark, through the last pass's call at this position when it was the same
-    /// request with a mark that still stands, else by its id (kept for the next pass).
-    fn handle(&self, marks: &mut Marks, request: &Bound<'_, PyAny>) -> PyResult<Option<Handle>> {
-        let position = marks.made;
-        marks.made += 1;
-        if let Some((last, Some(handle))) = marks.calls.get(position) {
-            if last.as_ptr() == request.as_ptr() && marks.pages.by_handle(*handle).is_some() {
-                return Ok(Some(*handle));
-            }
-        }
-        let id = request.getattr(intern!(request.py(), "request_id"))?;
-        let handle = marks.pages.handle(id.cast::<PyString>()?.to_str()?);
-        let entry = (request.clone().unbind(), handle);
-        match marks.calls.get_mut(position) {
-            Some(slot) => *slot = entry,
-            None => marks.calls.push(entry),
-        }
-        Ok(handle)
+    /// ``owner.publish_when_ready`` with vLLM's arguments.
+    fn publish(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+        retention_interval: Option<&Bound<'_, PyAny>>,
+        replay_boundaries: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "replay_boundaries"), replay_boundaries)?;
+        self.owner
+            .bind(py)
+            .getattr(intern!(py, "publish_when_ready"))?
+            .call((request, num_tokens, retention_interval), Some(&kwargs))?;
+        Ok(())
     }
 }
 
@@ -87,20 +86,47 @@ impl PublishGate {
         replay_boundaries: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let pages = int::<u64>(num_tokens, "num_tokens")? / self.page_tokens;
-        {
+        // Nothing Python runs while the marks are locked (reading the id, the owner's call, freeing a request
+        // let go): it may call back into the gate.
+        let unknown = {
             let mut marks = crate::locked(&self.marks);
-            let handle = self.handle(&mut marks, request)?;
-            if handle.and_then(|handle| marks.pages.by_handle(handle)) == Some(&pages) {
+            let position = marks.made;
+            marks.made += 1;
+            let marked = match marks.calls.get(position) {
+                Some((last, Some(handle))) if last.as_ptr() == request.as_ptr() => {
+                    marks.pages.by_handle(*handle).copied()
+                }
+                _ => None, // another request there, or no mark then or since: read by id
+            };
+            match marked {
+                Some(marked) if marked == pages => return Ok(()),
+                Some(_) => None,
+                None => Some(position),
+            }
+        };
+        if let Some(position) = unknown {
+            let id = request.getattr(intern!(py, "request_id"))?;
+            let id = id.cast::<PyString>()?.to_str()?;
+            let (known, let_go) = {
+                let mut marks = crate::locked(&self.marks);
+                let handle = marks.pages.handle(id);
+                let known = handle.and_then(|handle| marks.pages.by_handle(handle)) == Some(&pages);
+                let entry = (request.clone().unbind(), handle);
+                let let_go = if position < marks.calls.len() {
+                    Some(std::mem::replace(&mut marks.calls[position], entry))
+                } else {
+                    // The pass's calls up to here, or fewer if it ended meanwhile: nothing else to replace.
+                    (position == marks.calls.len()).then(|| marks.calls.push(entry));
+                    None
+                };
+                (known, let_go)
+            };
+            drop(let_go);
+            if known {
                 return Ok(());
             }
-        } // unlocked: publish_when_ready marks and unmarks
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(intern!(py, "replay_boundaries"), replay_boundaries)?;
-        self.owner
-            .bind(py)
-            .getattr(intern!(py, "publish_when_ready"))?
-            .call((request, num_tokens, retention_interval), Some(&kwargs))?;
-        Ok(())
+        }
+        self.publish(py, request, num_tokens, retention_interval, replay_boundaries)
     }
 
     /// ``request_id`` publishes nothing until its page count is other than ``pages``.
@@ -123,9 +149,12 @@ impl PublishGate {
     /// The schedule pass ended: the next call is the next pass's first. The requests of calls this pass
     /// did not make again are let go.
     fn end_pass(&self) {
-        let mut marks = crate::locked(&self.marks);
-        let made = std::mem::take(&mut marks.made);
-        marks.calls.truncate(made);
+        let let_go = {
+            let mut marks = crate::locked(&self.marks);
+            let made = std::mem::take(&mut marks.made).min(marks.calls.len());
+            marks.calls.split_off(made)
+        };
+        drop(let_go); // unlocked (cache_blocks)
     }
 
     /// The page count ``request_id`` is marked with, if any.
