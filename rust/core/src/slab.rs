@@ -3,9 +3,9 @@
 //! A map keyed by `String` reads, for every lookup, the map's bucket and then the key's own allocation to
 //! compare it: two lines spread over the heap. Per-step scans look up every scheduled request, and between
 //! two steps the engine's own work evicts both, so those lookups dominated a batch scan (about 0.5 us per
-//! request at 128 requests, over half the scan: `benches/vllm_step.py`). A caller that keeps each value's
-//! [`Handle`] from one step to the next reads the value's slot alone, one read of a dense vector, and falls
-//! back to the name only where the handle has gone stale.
+//! request at 128 requests, over half the scan, timed in a probe build over `benches/vllm_step.py`'s trace).
+//! A caller that keeps each value's [`Handle`] from one step to the next reads the value's slot alone, one read
+//! of a dense vector, and falls back to the name only where the handle has gone stale.
 
 use crate::ids::IdMap;
 

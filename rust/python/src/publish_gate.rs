@@ -5,8 +5,8 @@
 //! coordinator's `publish_when_ready`.
 //!
 //! vLLM calls between its allocations for each request, so whatever the gate reads is cold by then: reading
-//! the mark by request id (the request's attribute, then a dict entry and its value) cost about 0.3 us a call
-//! at 128 requests (`benches/vllm_step.py`). vLLM asks for the same requests in the same order pass after
+//! the mark by request id (the request's attribute, then a dict entry and its value) took about 0.3 us a call
+//! at 128 requests (timed inside the gate in a probe build, over `benches/vllm_step.py`'s trace). vLLM asks for the same requests in the same order pass after
 //! pass, so the gate keeps the last pass's requests in call order with the handle of each one's mark
 //! (`hisparse_core::slab`): a call at the position where the last pass had the same request object reads its
 //! mark through the handle, in a dense vector, without reading the request.
