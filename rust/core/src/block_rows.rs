@@ -449,11 +449,10 @@ impl BlockRows {
         let found: Vec<Option<&Rows>> = steps
             .iter()
             .map(|step| {
-                let handle = (step.handle)
-                    .filter(|&handle| self.requests.by_handle(handle).is_some())
-                    .or_else(|| self.requests.handle(step.request));
-                scan.handles.push(handle);
-                handle.and_then(|handle| self.requests.by_handle(handle))
+                let kept = step.handle.and_then(|handle| Some((handle, self.requests.by_handle(handle)?)));
+                let found = kept.or_else(|| self.requests.find(step.request));
+                scan.handles.push(found.map(|(handle, _)| handle));
+                found.map(|(_, rows)| rows)
             })
             .collect();
         let block_size = u64::from(self.block_size);
@@ -526,7 +525,8 @@ mod tests {
             let mut rows = BlockRows::new(groups, 4).unwrap();
             let mut plain = vec![Vec::new(); groups + 1];
             for (op, k, n, id) in changes {
-                let (k, row) = (k % (groups + 1), if k % (groups + 1) == groups { Row::Host } else { Row::Resident(k % (groups + 1)) });
+                let k = k % (groups + 1);
+                let row = if k == groups { Row::Host } else { Row::Resident(k) };
                 match op {
                     0 => {
                         rows.extend("a", row, &vec![id; n % 3 + 1]).unwrap();

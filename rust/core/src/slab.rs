@@ -48,10 +48,11 @@ impl<T> NamedSlab<T> {
         self.index.is_empty()
     }
 
-    /// The handle of `name`'s value, if it has one.
-    pub fn handle(&self, name: &str) -> Option<Handle> {
+    /// `name`'s value and its handle, if it has one.
+    pub fn find(&self, name: &str) -> Option<(Handle, &T)> {
         let slot = *self.index.get(name)?;
-        Some(Handle { slot, generation: self.slots[slot as usize].generation })
+        let entry = &self.slots[slot as usize];
+        Some((Handle { slot, generation: entry.generation }, entry.value.as_ref()?))
     }
 
     /// The value `handle` was made for, unless it has been removed since.
@@ -109,6 +110,12 @@ impl<T> NamedSlab<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl<T> NamedSlab<T> {
+        fn handle(&self, name: &str) -> Option<Handle> {
+            self.find(name).map(|(handle, _)| handle)
+        }
+    }
 
     #[test]
     fn a_handle_reaches_its_value_until_the_value_is_removed() {

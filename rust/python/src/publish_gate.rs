@@ -109,9 +109,9 @@ impl PublishGate {
             let id = id.cast::<PyString>()?.to_str()?;
             let (known, let_go) = {
                 let mut marks = crate::locked(&self.marks);
-                let handle = marks.pages.handle(id);
-                let known = handle.and_then(|handle| marks.pages.by_handle(handle)) == Some(&pages);
-                let entry = (request.clone().unbind(), handle);
+                let found = marks.pages.find(id);
+                let known = found.is_some_and(|(_, &marked)| marked == pages);
+                let entry = (request.clone().unbind(), found.map(|(handle, _)| handle));
                 let let_go = if position < marks.calls.len() {
                     Some(std::mem::replace(&mut marks.calls[position], entry))
                 } else {
