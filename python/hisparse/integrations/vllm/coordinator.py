@@ -258,9 +258,9 @@ class HisparseCoordinator(Bookkeeping):
 
     def _unpin_clean_pages(self, request_id, state) -> None:
         pages = self._releasable_clean(request_id, state)
-        if not pages:
-            return
-        for page_idx in self.order.release_order(request_id, pages):
+        if len(pages) > 1:  # usually one: the page that has just left the tail
+            pages = self.order.release_order(request_id, pages)
+        for page_idx in pages:
             if self._unpin_page(request_id, state, page_idx):
                 self.counters["released"] += 1
 
