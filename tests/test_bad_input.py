@@ -663,8 +663,6 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "page_tokens": lambda: _core.PublishGate(-64, object()),
         "num_tokens": lambda: _core.PublishGate(64, object()).cache_blocks(object(), -1, replay_boundaries=()),
         "pages": lambda: _core.PublishGate(64, object()).mark("a", -1),
-        "page  ": lambda: _core.ReleasedPages(object(), {}).release("a", -1, []),
-        "block_id": lambda: _core.ReleasedPages(object(), {}).release("a", 0, [types.SimpleNamespace(block_id=2**32)]),
     }
     before = rows.row("a", 0), rows.row_len("a", None), len(policy)
     for name, call in calls.items():

@@ -182,7 +182,7 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
 
 def _with_vllms_scans(setup) -> None:
     """Our connector, with vLLM's own per-step scans and per-page steps in place of ``Bookkeeping``'s (the
-    residency updates, a page's host copy planned, released, indexed and lost, the transfers reported): the reference
+    residency updates, a page's host copy planned, released and indexed, the transfers reported): the reference
     the cheaper bookkeeping must equal."""
     import types
 
@@ -194,7 +194,7 @@ def _with_vllms_scans(setup) -> None:
     del connector.coordinator.host_manager.cache_blocks  # vLLM's class method again: every step published
     for name in ("_can_read_from_host", "publish_when_ready", "all_context_pages_resident", "take_residency_updates",
                  "plan_prefix_materialization", "_plan_page_transfer", "_record_copy", "_resident_page_blocks",
-                 "_unpin_page", "_on_block_reused", "update_spills"):
+                 "_unpin_page", "update_spills"):
         setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
                                                               connector.coordinator))
 

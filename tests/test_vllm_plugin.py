@@ -262,60 +262,27 @@ assert freed == [None, None], freed
     assert done.returncode == 0, done.stderr
 
 
-def test_released_pages_lose_a_page_with_the_first_of_its_blocks_reused():
-    """``ReleasedPages``, called by vLLM's block pool for every released block it hands out again: a block that
-    indexes a GPU copy drops it first (the coordinator's ``_drop_copy``), then every page read from the block
-    is lost (``_lose_page``), in the order they were released; a block nobody reads calls nothing. The
-    coordinator's ``_lose_page`` calls back into the object (``forget``), which it can: the call out is made
-    unlocked. A freed request reads nothing, and the object holding its coordinator is collected with it."""
+def test_a_publication_gate_is_collected_with_its_coordinator():
+    """The coordinator holds its gate, and the gate the coordinator and the last pass's requests: the cycle is
+    collected once nothing else holds either (the gate lets the collector see what it holds)."""
     import gc
     import weakref
-    from types import SimpleNamespace
-
-    def block(block_id):
-        return SimpleNamespace(block_id=block_id)
-
-    calls = []
 
     class Coordinator:
-        def __init__(self):
-            self.copies = {}
-            self.released = _core.ReleasedPages(self, self.copies)
+        def publish_when_ready(self, *args, **kwargs):
+            pass
 
-        def _drop_copy(self, host_hash):
-            calls.append(("drop", host_hash))
+    class Request:
+        request_id = "a"
 
-        def _lose_page(self, request_id, page):
-            calls.append(("lose", request_id, page))
-            self.released.forget(request_id, page)
-
-    coordinator = Coordinator()
-    released = coordinator.released
-    released.release("a", 3, [block(10), block(11)])
-    released.release("b", 0, [block(11), block(12)])
-    coordinator.copies[10] = "h"
-    released(block(99))
-    assert calls == []
-    released(block(11))
-    assert calls == [("lose", "a", 3), ("lose", "b", 0)]
-    assert (released.pages("a"), len(released)) == ([], 0)  # each forgot its page on its other block
-    calls.clear()
-    released(block(10))
-    assert calls == [("drop", "h")]
-    released.release("c", 1, [block(5)])
-    released.release("c", 2, [block(6)])
-    assert released.pages("c") == [(1, [5]), (2, [6])]
-    released.forget_request("c")
-    released(block(5))
-    assert calls == [("drop", "h")] and len(released) == 0
-    released.release("d", 0, [block(7)])
-    released.clear()
-    assert released.pages("d") == [] and len(released) == 0
-
-    collected = weakref.ref(coordinator)
-    del coordinator, released
+    coordinator, request = Coordinator(), Request()
+    coordinator.gate = _core.PublishGate(64, coordinator)
+    request.coordinator = coordinator
+    coordinator.gate.cache_blocks(request, 64, replay_boundaries=())
+    collected = weakref.ref(coordinator), weakref.ref(request)
+    del coordinator, request
     gc.collect()
-    assert collected() is None
+    assert [ref() for ref in collected] == [None, None]
 
 
 def _selection_heat(rows: int = 4, pages: int = 12, **options):

@@ -6,7 +6,6 @@
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
-//! - [`released`]: who still reads a released page's blocks in that engine's pool, until the pool reuses one.
 //! - [`slab`]: values found by name, or through a handle kept from one step to the next.
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`lru_stamps`]: the hot region's LRU as stamps (the rules `reference` follows), proven against the
@@ -29,7 +28,6 @@ pub mod page;
 pub mod plan;
 pub mod pool_policy;
 pub mod reference;
-pub mod released;
 pub mod slab;
 pub mod worker;
 

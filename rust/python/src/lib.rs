@@ -12,7 +12,6 @@ mod plan;
 mod pool_policy;
 mod publish_gate;
 mod reference;
-mod released;
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -75,7 +74,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<block_rows::BlockRows>()?;
     m.add_class::<publish_gate::PublishGate>()?;
-    m.add_class::<released::ReleasedPages>()?;
     m.add_function(wrap_pyfunction!(block_rows::unpack_row_mirrors, m)?)?;
     m.add_class::<reference::ApplyBuffers>()?;
     m.add_function(wrap_pyfunction!(steady_state_blocks, m)?)?;

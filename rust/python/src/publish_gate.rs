@@ -17,6 +17,7 @@ use hisparse_core::slab::{Handle, NamedSlab};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::args::int;
 use crate::errors::invalid;
@@ -164,5 +165,17 @@ impl PublishGate {
 
     fn __len__(&self) -> usize {
         crate::locked(&self.marks).pages.len()
+    }
+
+    /// The coordinator holds its gate and the gate its coordinator, and the requests of the last pass: the
+    /// collector follows these. (Never locked when the collector runs: nothing Python runs under the lock.)
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.owner)?;
+        if let Ok(marks) = self.marks.try_lock() {
+            for (request, _) in &marks.calls {
+                visit.call(request)?;
+            }
+        }
+        Ok(())
     }
 }

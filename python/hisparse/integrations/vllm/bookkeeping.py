@@ -43,7 +43,7 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from ..._core import BlockRows, PublishGate, ReleasedPages
+from ..._core import BlockRows, PublishGate
 from ...errors import ConfigError, InvalidArgumentError, InvariantError
 from .mirrors import RowMirrors
 
@@ -155,11 +155,6 @@ class Bookkeeping(HiSparseCoordinator):
         # Requests whose publish_when_ready publishes nothing until another page is computed, marked with their
         # pages in the gate vLLM's host group calls for each (``bind``); None without resident groups.
         self._gate: PublishGate | None = None
-        # Who reads each released block, kept in the core rather than in vLLM's ``_owners`` (left empty), and
-        # the callback of their reuse that vLLM's pool calls for every released block it hands out again, in
-        # place of vLLM's ``_on_block_reused``: ``_unpin_page``, ``_lose_page`` and ``free`` keep it.
-        self._released = ReleasedPages(self, self._copy_by_block)
-        self._on_block_reused = self._released
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
@@ -203,9 +198,8 @@ class Bookkeeping(HiSparseCoordinator):
         self.host_manager.cache_blocks = self._gate.cache_blocks
 
     def check_rows(self) -> None:
-        """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), no request vLLM
-        has forgotten is still recorded, and the released pages are vLLM's unpinned ones. For tests: O(every
-        row)."""
+        """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
+        vLLM has forgotten is still recorded. For tests: O(every row)."""
         if self._recorder is None:
             return
         held = set()
@@ -223,14 +217,6 @@ class Bookkeeping(HiSparseCoordinator):
             below = self._quiet_below(request_id)
             if not self.rows.scan({request_id: 0}, {request_id: below})[2]:
                 raise InvariantError(f"request {request_id!r} is marked quiet past {below} tokens")
-        if self._on_block_reused is self._released:  # not where a test put vLLM's back
-            for request_id, state in self.request_states.items():
-                # The released pages are those vLLM's state calls unpinned, on the blocks its rows hold.
-                expected = [(page, [m.get_resident_page(request_id, page).block_id for m in self.resident_managers])
-                            for page in sorted(state.unpinned_pages)]
-                if self._released.pages(request_id) != expected:
-                    raise InvariantError(f"request {request_id!r}: released pages {self._released.pages(request_id)}, "
-                                         f"vLLM's unpinned pages and blocks {expected}")
 
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
 
@@ -376,7 +362,9 @@ class Bookkeeping(HiSparseCoordinator):
         blocks = self._resident_page_blocks(request_id, page_idx)
         if blocks is None:
             return False
-        self._released.release(request_id, page_idx, blocks)
+        owner = (request_id, page_idx)
+        for block in blocks:
+            self._owners.setdefault(block.block_id, set()).add(owner)
         self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
         state.pinned_clean.discard(page_idx)
         state.unpinned_pages.add(page_idx)
@@ -527,9 +515,6 @@ class Bookkeeping(HiSparseCoordinator):
             self._gate.end_pass()
 
     def free(self, request_id: str) -> None:
-        # vLLM's gives up its released pages' blocks (the pages its state lists as unpinned): here in the core.
-        if request_id in self.request_states:
-            self._released.forget_request(request_id)
         super().free(request_id)
         self._reads_host.discard(request_id)
         self._unmark(request_id)
@@ -542,12 +527,10 @@ class Bookkeeping(HiSparseCoordinator):
         self.rows.wake(request_id)
 
     def _lose_page(self, request_id: str, page_idx: int) -> None:
-        # vLLM's drops the page in each resident group, and its readers from the blocks (a request it still
-        # tracks): recorded here in one call each.
+        # vLLM's drops the page in each resident group (a request it still tracks): recorded here in one call.
         tracked = request_id in self.request_states
         super()._lose_page(request_id, page_idx)
         if tracked:
-            self._released.forget(request_id, page_idx)
             self.rows.drop_page(request_id, page_idx)  # which wakes it
 
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
@@ -634,7 +617,7 @@ class Bookkeeping(HiSparseCoordinator):
         self._pending_imports.clear()
         self.copies.clear()
         self._copy_by_block.clear()
-        self._released.clear()
+        self._owners.clear()
         self.request_states.clear()
         self._resident_requests.clear()
         self._reads_host.clear()
