@@ -76,10 +76,15 @@ impl Rows {
         (page < self.lens[k]).then(|| self.ids[page * self.stride() + k])
     }
 
+    /// Whether [`Rows::page`] reads `page` from [`Rows::tail`] rather than from `ids`.
+    fn inline(&self, page: usize) -> bool {
+        page.saturating_add(1) == self.shortest && self.stride() <= TAIL_ROWS
+    }
+
     /// Every row's block of `page`, which every row holds (below [`Rows::shortest`]).
     fn page(&self, page: usize) -> &[u32] {
         let stride = self.stride();
-        if page + 1 == self.shortest && stride <= TAIL_ROWS {
+        if self.inline(page) {
             &self.tail[..stride]
         } else {
             &self.ids[page * stride..(page + 1) * stride]
@@ -461,7 +466,7 @@ impl BlockRows {
             if let Some(rows) = rows {
                 let page = usize::try_from(step.mirror_from / block_size).unwrap_or(usize::MAX);
                 touched ^= rows.quiet_below ^ u64::from(rows.tail[0]);
-                if page.saturating_add(1) != rows.shortest {
+                if !rows.inline(page) {
                     touched ^=
                         u64::from(rows.ids.get(page.saturating_mul(rows.stride())).copied().unwrap_or(0));
                 }
