@@ -20,7 +20,10 @@ The workload, for N requests of about C tokens (block 64, top-K 2048, 4096 hot r
 * heat summaries every 32 steps (``WorkerHooks`` defaults: 128 coldest and 32 hottest pages per request),
   which the core's ``coldest`` policy (the default; ``--policy fifo`` for vLLM's order) releases by.
 
-Setup (prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
+The configurations of one N are set up first, then stepped in turn, one decode step each (``run_together``):
+whatever the machine does to memory over the run falls on every context alike, so the figures of 16K and 1M
+compare (run one after the other, this VM's 1M figure moved up to 2x between runs of the same code). Setup
+(prefill under pressure) is not timed. Timed per step: ``plan_step`` and ``apply_results``
 (scheduler); ``apply``, ``slot_mapping`` (where the step writes its KV: an engine needs it every step) and
 ``end_step`` (worker); not the resolver, which is the GPU kernel's work (it runs between them, as the forward
 does, and leaves the caches as cold as a forward would). Wall time (``time.perf_counter``): a thread's CPU
@@ -121,33 +124,69 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest") -> dict:
-    lens0 = [int(ctx * (0.75 + 0.25 * i / max(1, n - 1))) // 1 for i in range(n)]
-    max_len = max(lens0) + steps + BLOCK
-    max_pages = math.ceil(max_len / BLOCK)
-    hot_blocks = HOT_ROWS // BLOCK
-    full = sum(math.ceil(length / BLOCK) for length in lens0)
-    gpu_blocks = max(int(0.3 * full), n * (hot_blocks + 4)) + 2 * hot_blocks
-    host_blocks = n * max_pages + 64
-    layout = Layout(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK, max_model_len=max_len,
-                    max_running=n, hot_rows=HOT_ROWS, row_bytes=ROW_BYTES, layer_groups=(0,))
-    manager = ResidencyManager(num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK,
-                               max_model_len=max_len, max_running=n, top_k=TOP_K, hot_rows=HOT_ROWS,
-                               page_bytes=layout.page_bytes, materialize_budget=1 << 20, policy=policy)
-    timed = Timed(manager)
-    sched = SchedulerHooks(manager)
-    sched.manager = timed
-    worker = WorkerHooks(DataPath(layout))
-    names = [f"req-{i}" for i in range(n)]
-    for name, length in zip(names, lens0, strict=True):
-        sched.admit(name, length, max_len=max_len)
+class Workload:
+    """N requests of about C tokens behind the hooks, set up (prefilled under pressure, not timed) and stepped
+    one decode step at a time (:meth:`step`, timed)."""
 
-    late: tuple[int, ...] = ()
+    def __init__(self, n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest"):
+        self.n = n
+        lens0 = [int(ctx * (0.75 + 0.25 * i / max(1, n - 1))) // 1 for i in range(n)]
+        max_len = max(lens0) + steps + BLOCK
+        max_pages = math.ceil(max_len / BLOCK)
+        hot_blocks = HOT_ROWS // BLOCK
+        self.full = sum(math.ceil(length / BLOCK) for length in lens0)
+        self.gpu_blocks = max(int(0.3 * self.full), n * (hot_blocks + 4)) + 2 * hot_blocks
+        host_blocks = n * max_pages + 64
+        layout = Layout(num_gpu_blocks=self.gpu_blocks, num_host_blocks=host_blocks, block_size=BLOCK,
+                        max_model_len=max_len, max_running=n, hot_rows=HOT_ROWS, row_bytes=ROW_BYTES,
+                        layer_groups=(0,))
+        self.manager = ResidencyManager(num_gpu_blocks=self.gpu_blocks, num_host_blocks=host_blocks,
+                                        block_size=BLOCK, max_model_len=max_len, max_running=n, top_k=TOP_K,
+                                        hot_rows=HOT_ROWS, page_bytes=layout.page_bytes, materialize_budget=1 << 20,
+                                        policy=policy)
+        self.timed = Timed(self.manager)
+        self.sched = SchedulerHooks(self.manager)
+        self.sched.manager = self.timed
+        self.worker = WorkerHooks(DataPath(layout))
+        self.names = [f"req-{i}" for i in range(n)]
+        for name, length in zip(self.names, lens0, strict=True):
+            self.sched.admit(name, length, max_len=max_len)
+        self.late: tuple[int, ...] = ()
+        self.select = Selections(seed)
+        self.timing: dict[str, list] = {k: [] for k in ("sched", "worker", "core", "resolve", "plan_bytes",
+                                                        "allocating", "heat")}
+        t_setup = clock()
+        self._prefill(dict(zip(self.names, lens0, strict=True)))
+        self.setup_s = clock() - t_setup
 
-    def one_step(scheduled, timing: dict | None) -> bool:
+    def _prefill(self, left: dict[str, int]) -> None:
+        """Prefill in chunks under pressure, until every request holds its prompt. A chunk the pool cannot back
+        is halved; a step without tokens lets the copies (and so the releases) catch up."""
+        flush = [(name, 0) for name in self.names]
+        chunk = CHUNK
+        while any(left.values()):
+            budget, scheduled = chunk, []
+            for name in self.names:
+                take = min(left[name], budget)
+                if take:
+                    scheduled.append((name, take))
+                    budget -= take
+            if self._one_step(scheduled, None):
+                for name, take in scheduled:
+                    left[name] -= take
+            else:
+                chunk = max(BLOCK, chunk // 2)
+                self._one_step(flush, None)
+        self._one_step(flush, None)  # the last chunk's pages are copied
+
+    def step(self) -> None:
+        """One timed decode step of every request."""
+        self._one_step([(name, 1) for name in self.names], self.timing)
+
+    def _one_step(self, scheduled, timing: dict | None) -> bool:
         """plan -> apply -> (resolve) -> end_step -> apply_results, copies reported a step late. False: the
         plan was short (only while setting up; a timed step must fit)."""
-        nonlocal late
+        sched, worker, timed = self.sched, self.worker, self.timed
         t0 = clock()
         core0 = timed.seconds
         step = sched.plan_step(scheduled)
@@ -162,7 +201,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest") ->
         resolved = 0.0
         if timing is not None:
             scheduled = step.plan.scheduled
-            topk = select([r for r, _, _, _ in scheduled], [s + 1 for _, _, s, _ in scheduled])
+            topk = self.select([r for r, _, _, _ in scheduled], [s + 1 for _, _, s, _ in scheduled])
             rows = torch.tensor(step.plan.rows, dtype=torch.int32)
             r0 = clock()
             worker.resolve(topk, rows)
@@ -170,7 +209,7 @@ def run(n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest") ->
         t3 = clock()
         results = worker.end_step()
         t4 = clock()
-        due, late = late, results.completed  # the engine hands the copies over a step late: not timed
+        due, self.late = self.late, results.completed  # the engine hands the copies over a step late: not timed
         results = replace(results, completed=due)
         t5 = clock()
         sched.apply_results(results)
@@ -185,54 +224,42 @@ def run(n: int, ctx: int, steps: int, seed: int = 0, policy: str = "coldest") ->
             timing["heat"].append(results.heat is not None)
         return True
 
-    # Setup, not timed: prefill in chunks under pressure, until every request holds its prompt. A chunk the
-    # pool cannot back is halved; a step without tokens lets the copies (and so the releases) catch up.
-    left = dict(zip(names, lens0, strict=True))
-    flush = [(name, 0) for name in names]
-    t_setup = clock()
-    chunk = CHUNK
-    while any(left.values()):
-        budget, scheduled = chunk, []
-        for name in names:
-            take = min(left[name], budget)
-            if take:
-                scheduled.append((name, take))
-                budget -= take
-        if one_step(scheduled, None):
-            for name, take in scheduled:
-                left[name] -= take
-        else:
-            chunk = max(BLOCK, chunk // 2)
-            one_step(flush, None)
-    one_step(flush, None)  # the last chunk's pages are copied
-    setup_s = clock() - t_setup
-    select = Selections(seed)
+    def result(self) -> dict:
+        timing, n, steps = self.timing, self.n, len(self.timing["sched"])
+        metrics = self.sched.metrics()
+        stats = self.manager.stats()
+        us = {k: [v * 1e6 / n for v in timing[k]] for k in ("sched", "worker", "core")}
+        return {
+            **{f"{side}_{stat}": f(us[side]) for side in ("sched", "worker", "core") for stat, f in (
+                ("p50", statistics.median), ("p90", lambda v: percentile(v, 0.9)), ("mean", statistics.fmean),
+                ("max", max))},
+            "pool_fraction": self.gpu_blocks / self.full,
+            "plan_bytes": int(statistics.median(timing["plan_bytes"])),
+            "allocating_steps": sum(timing["allocating"]) / steps,
+            "heat_steps": sum(timing["heat"]),
+            "resolve_ms_per_step": statistics.median(timing["resolve"]) * 1e3,
+            "mixed": stats["mixed"] + stats["none"],
+            "released_pages": metrics["released_pages"],
+            "lost_pages": metrics["lost_pages"],
+            "hit_rate": metrics["hit_rate"],
+            "setup_s": self.setup_s,
+        }
 
-    timing: dict[str, list] = {k: [] for k in ("sched", "worker", "core", "resolve", "plan_bytes", "allocating",
-                                               "heat")}
+
+def run_together(configs: list[tuple[int, int]], steps: int, seed: int = 0, policy: str = "coldest") -> list[dict]:
+    """The results of each ``(n, ctx)`` configuration, set up one after another and then stepped in turn, one
+    decode step each: what the machine does to its caches and memory over the run (this VM's memory latency
+    drifts, and its kernel scans memory: ``kdamond``) falls on every configuration alike, so their figures can
+    be compared with each other. Each configuration's steps still leave its own caches as cold as a forward
+    would: the resolver runs between its plan and its results."""
+    workloads = [Workload(n, ctx, steps, seed, policy) for n, ctx in configs]
     gc.collect()
     gc.freeze()
     for _ in range(steps):
-        one_step([(name, 1) for name in names], timing)
+        for workload in workloads:
+            workload.step()
     gc.unfreeze()
-    metrics = sched.metrics()
-    stats = manager.stats()
-    us = {k: [v * 1e6 / n for v in timing[k]] for k in ("sched", "worker", "core")}
-    return {
-        **{f"{side}_{stat}": f(us[side]) for side in ("sched", "worker", "core") for stat, f in (
-            ("p50", statistics.median), ("p90", lambda v: percentile(v, 0.9)), ("mean", statistics.fmean),
-            ("max", max))},
-        "pool_fraction": gpu_blocks / full,
-        "plan_bytes": int(statistics.median(timing["plan_bytes"])),
-        "allocating_steps": sum(timing["allocating"]) / steps,
-        "heat_steps": sum(timing["heat"]),
-        "resolve_ms_per_step": statistics.median(timing["resolve"]) * 1e3,
-        "mixed": stats["mixed"] + stats["none"],
-        "released_pages": metrics["released_pages"],
-        "lost_pages": metrics["lost_pages"],
-        "hit_rate": metrics["hit_rate"],
-        "setup_s": setup_s,
-    }
+    return [workload.result() for workload in workloads]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,10 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     configs = ["8x16k"] if args.quick else args.configs.split(",")
     steps = 40 if args.quick else args.steps
     out: dict = {"steps": steps, "block_size": BLOCK, "top_k": TOP_K, "hot_rows": HOT_ROWS, "policy": args.policy}
-    for text in configs:
-        n, ctx = parse_config(text)
-        key = text.lower()
-        r = run(n, ctx, steps, policy=args.policy)
+    parsed = [(text.lower(), parse_config(text)) for text in configs]
+    results: dict[str, dict] = {}
+    for n in dict.fromkeys(n for _, (n, _) in parsed):  # one N at a time: its contexts stepped in turn
+        group = [(key, config) for key, config in parsed if config[0] == n]
+        for (key, _), r in zip(group, run_together([config for _, config in group], steps, policy=args.policy),
+                               strict=True):
+            results[key] = r
+    for key, _ in parsed:
+        r = results[key]
         out[f"sched_us_per_req_{key}"] = round(r["sched_p50"], 3)
         out[f"sched_us_per_req_p90_{key}"] = round(r["sched_p90"], 3)
         out[f"worker_us_per_req_{key}"] = round(r["worker_p50"], 3)
