@@ -3,6 +3,7 @@
 //!
 //! - [`block_pool`], [`host_pool`]: the GPU and pinned-host block pools.
 //! - [`page`]: the page state machine and derived request residency.
+//! - [`page_set`]: a request's set of pages, one bit each.
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
@@ -25,6 +26,7 @@ mod index_list;
 pub mod lru_stamps;
 pub mod manager;
 pub mod page;
+pub mod page_set;
 pub mod plan;
 pub mod pool_policy;
 pub mod reference;

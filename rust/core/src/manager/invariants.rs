@@ -92,7 +92,10 @@ impl ResidencyManager {
             if (host_only > 0 || released > 0) && r.row().is_some() && r.hot.is_none() {
                 return invariant(format!("request {id} reads through a hot region it does not hold"));
             }
-            if host_only != r.host_only || released != r.released || releasable != *r.releasable.pages() {
+            if host_only != r.host_only
+                || released != r.released
+                || !releasable.iter().copied().eq(r.releasable.pages().iter())
+            {
                 return invariant(format!("request {id}: page counters disagree with its pages"));
             }
             if !r.releasable.is_consistent() {

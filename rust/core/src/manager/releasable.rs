@@ -9,6 +9,8 @@
 
 use std::collections::{btree_set, BTreeSet};
 
+use crate::page_set::{self, PageSet};
+
 /// The heat given to releasable pages the last summary did not list (between its coldest and its hottest,
 /// or released after it) and to its hottest: the pressure order across requests is by heat, so every
 /// request's coldest pages go before any request's unlisted ones, and those before anyone's hottest.
@@ -28,11 +30,12 @@ struct Listed {
 #[derive(Clone, Debug, Default)]
 pub(super) struct Releasable {
     /// Every releasable page, by page (what the plan flags, and vLLM's order newest first).
-    all: BTreeSet<u32>,
+    all: PageSet,
     /// Those the summary listed among its coldest, as (heat, page): released first, coldest first.
     coldest: BTreeSet<(u32, u32)>,
-    /// Those it did not list, by page: released next, oldest first.
-    unlisted: BTreeSet<u32>,
+    /// Those it did not list, by page: released next, oldest first. Most releasable pages, so one bit
+    /// each, as `all` (`page_set.rs`: a tree of them made the step's cost grow with context).
+    unlisted: PageSet,
     /// Those it listed among its hottest, as (heat, page): released last, the least hot first.
     hottest: BTreeSet<(u32, u32)>,
     /// Every page the summary listed, releasable now or not, sorted by page: a listed page that becomes
@@ -49,7 +52,7 @@ impl Releasable {
     }
 
     /// Every releasable page, by page.
-    pub fn pages(&self) -> &BTreeSet<u32> {
+    pub fn pages(&self) -> &PageSet {
         &self.all
     }
 
@@ -71,7 +74,7 @@ impl Releasable {
 
     /// Adds (`yes`) or removes a page; returns whether that changed anything.
     pub fn set(&mut self, page: u32, yes: bool) -> bool {
-        let changed = if yes { self.all.insert(page) } else { self.all.remove(&page) };
+        let changed = if yes { self.all.insert(page) } else { self.all.remove(page) };
         if changed {
             self.place(page, yes);
             self.front = self.order().next();
@@ -82,7 +85,12 @@ impl Releasable {
     /// Puts a page into (or takes it out of) the part the summary assigns it.
     fn place(&mut self, page: u32, yes: bool) {
         match self.find(page) {
-            None => put(&mut self.unlisted, page, yes),
+            None if yes => {
+                self.unlisted.insert(page);
+            }
+            None => {
+                self.unlisted.remove(page);
+            }
             Some(l) if l.hottest => put(&mut self.hottest, (l.heat, page), yes),
             Some(l) => put(&mut self.coldest, (l.heat, page), yes),
         }
@@ -92,7 +100,7 @@ impl Releasable {
     /// twice). Only the pages the old and the new summary list move; the unlisted rest stays put.
     pub fn set_summary(&mut self, coldest: &[(u32, u32)], hottest: &[(u32, u32)]) {
         for l in std::mem::take(&mut self.listed) {
-            if self.all.contains(&l.page) {
+            if self.all.contains(l.page) {
                 put(if l.hottest { &mut self.hottest } else { &mut self.coldest }, (l.heat, l.page), false);
                 self.unlisted.insert(l.page);
             }
@@ -103,8 +111,8 @@ impl Releasable {
         self.listed.sort_unstable_by_key(|l| l.page);
         for i in 0..self.listed.len() {
             let page = self.listed[i].page;
-            if self.all.contains(&page) {
-                self.unlisted.remove(&page);
+            if self.all.contains(page) {
+                self.unlisted.remove(page);
                 self.place(page, true);
             }
         }
@@ -114,8 +122,8 @@ impl Releasable {
     /// Forgets the summary and every page from `from` on (the request's pages were dropped from there).
     pub fn truncate(&mut self, from: u32) {
         self.set_summary(&[], &[]);
-        self.all.retain(|&page| page < from);
-        self.unlisted.retain(|&page| page < from);
+        self.all.truncate(from);
+        self.unlisted.truncate(from);
         self.front = self.order().next();
     }
 
@@ -123,9 +131,9 @@ impl Releasable {
     pub fn is_consistent(&self) -> bool {
         let mut ok = self.listed.windows(2).all(|w| w[0].page < w[1].page);
         let mut held = 0;
-        for &page in &self.all {
+        for page in self.all.iter() {
             let in_part = match self.find(page) {
-                None => self.unlisted.contains(&page),
+                None => self.unlisted.contains(page),
                 Some(l) if l.hottest => self.hottest.contains(&(l.heat, page)),
                 Some(l) => self.coldest.contains(&(l.heat, page)),
             };
@@ -148,7 +156,7 @@ fn put<T: Ord>(set: &mut BTreeSet<T>, key: T, yes: bool) {
 /// An iterator over [`Releasable::order`] (a named type: pressure keeps one per request it releases from).
 pub(super) struct Order<'a> {
     coldest: btree_set::Iter<'a, (u32, u32)>,
-    unlisted: btree_set::Iter<'a, u32>,
+    unlisted: page_set::Iter<'a>,
     hottest: btree_set::Iter<'a, (u32, u32)>,
 }
 
@@ -159,7 +167,7 @@ impl Iterator for Order<'_> {
         if let Some(&entry) = self.coldest.next() {
             return Some(entry);
         }
-        if let Some(&page) = self.unlisted.next() {
+        if let Some(page) = self.unlisted.next() {
             return Some((UNLISTED, page));
         }
         self.hottest.next().map(|&(_, page)| (HOTTEST, page))
@@ -198,7 +206,7 @@ mod tests {
         assert_eq!(order(&r), [pages, vec![(UNLISTED, 9)]].concat());
         r.truncate(4);
         assert_eq!(order(&r), vec![(UNLISTED, 1), (UNLISTED, 2), (UNLISTED, 3)]);
-        assert!(r.is_consistent() && r.len() == 3 && r.pages().contains(&2) && !r.pages().contains(&5));
+        assert!(r.is_consistent() && r.len() == 3 && r.pages().contains(2) && !r.pages().contains(5));
         for page in 1..=3 {
             r.set(page, false);
         }

@@ -73,7 +73,9 @@ impl ResidencyManager {
 
     /// A request's releasable pages, newest first: the order in which vLLM lets them go.
     pub(super) fn newest_first(&self, id: u64) -> Vec<u32> {
-        self.requests[&id].releasable.pages().iter().rev().copied().collect()
+        let mut pages: Vec<u32> = self.requests[&id].releasable.pages().iter().collect();
+        pages.reverse();
+        pages
     }
 
     pub(super) fn grow(&mut self, id: u64, tokens: u32) -> Result<()> {
