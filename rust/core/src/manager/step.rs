@@ -127,6 +127,11 @@ impl ResidencyManager {
     pub(super) fn relieve(&mut self) -> Result<()> {
         let hot_cost = self.hot_cost() as i64;
         let slack = self.cfg.watermark as i64 + 2 * hot_cost;
+        // No holder's room exceeds the free blocks and a returned hot region: under pressure, none has room,
+        // and the holders are not even listed.
+        if self.pool.num_unread_free() as i64 + hot_cost < slack {
+            return Ok(());
+        }
         let mut budget = self.cfg.materialize_budget;
         for id in self.hot_holders() {
             let r = self.req(id)?;
