@@ -12,17 +12,9 @@ use std::cell::Cell;
 pub struct PageSet {
     words: Vec<u64>,
     len: usize,
-    /// No word below this one holds a page (a lower bound: raised lazily by [`Self::first`]).
+    /// No word below this one holds a page (a lower bound, raised as [`Self::iter`] finds empty words).
     low_word: Cell<usize>,
 }
-
-impl PartialEq for PageSet {
-    fn eq(&self, other: &Self) -> bool {
-        self.len == other.len && self.iter().eq(other.iter())
-    }
-}
-
-impl Eq for PageSet {}
 
 impl PageSet {
     pub fn len(&self) -> usize {
