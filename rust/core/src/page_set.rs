@@ -56,11 +56,6 @@ impl PageSet {
         present
     }
 
-    /// The smallest page, if any.
-    pub fn first(&self) -> Option<u32> {
-        self.iter().next()
-    }
-
     /// Keeps only the pages below `end`.
     pub fn truncate(&mut self, end: u32) {
         let (word, bit) = Self::at(end);
@@ -130,7 +125,7 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(set.len(), model.len());
-                prop_assert_eq!(set.first(), model.first().copied());
+                prop_assert_eq!(set.iter().next(), model.first().copied());
                 prop_assert!(set.iter().eq(model.iter().copied()));
                 prop_assert!((0..700).all(|p| set.contains(p) == model.contains(&p)));
             }
