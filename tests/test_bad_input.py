@@ -615,12 +615,13 @@ def test_the_vllm_bookkeeping_refuses_counts_no_engine_has():
         _core.unpack_row_mirrors(object, ["a"], count, b"", two, two, 2**63)
     policy = _core.PoolPolicy(block_size=16, blocks_per_page=2, hot_blocks=64, admission_pages=4, tail_pages=2,
                               low_watermark=10)
-    assert policy.transition(True, 100, False, 0, 2**64 - 1, None) == "postponed"
+    assert policy.transition(True, 100, 0, 2**64 - 1, None) == "postponed"
     pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
-    assert policy.has_headroom(16, 0, 16, 16, **pool)
-    assert policy.has_headroom(16, 0, 16, 16, **{**pool, "free_blocks": 2**64 - 1})
-    assert not policy.has_headroom(16, 0, 16, 16, **{**pool, "owed_hot_blocks": 2**64 - 1})
-    assert not policy.has_headroom(16, 0, 16, 16, **{**pool, "running": 2**63})
+    assert policy.admit(16, 0, 16, 16, **pool)
+    assert policy.admit(16, 0, 16, 16, **{**pool, "free_blocks": 2**64 - 1})
+    assert not policy.admit(16, 0, 16, 16, **{**pool, "owed_hot_blocks": 2**64 - 1})
+    policy.end_pass()  # a refusal holds the rest of its pass
+    assert not policy.admit(16, 0, 16, 16, **{**pool, "running": 2**63})
 
 
 def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
@@ -638,11 +639,11 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "hot_blocks": lambda: _core.PoolPolicy(hot_blocks=2.0),
         "tail_pages": lambda: _core.PoolPolicy(tail_pages=True),
         "releasable_pages": lambda: policy.worth_transition(-1),
-        "free_blocks": lambda: policy.transition(False, -5, False, 0, 1, None),
-        "fills_window": lambda: policy.transition(1, 5, False, 0, 1, None),
-        "tokens": lambda: policy.has_headroom(-1, 0, 16, 16, **pool),
-        "longest_tokens": lambda: policy.has_headroom(16, 0, 16, True, **pool),
-        "longest_tokens ": lambda: policy.transition(False, 5, False, 0, 1, -1),
+        "free_blocks": lambda: policy.transition(False, -5, 0, 1, None),
+        "fills_window": lambda: policy.transition(1, 5, 0, 1, None),
+        "tokens": lambda: policy.admit(-1, 0, 16, 16, **pool),
+        "longest_tokens": lambda: policy.admit(16, 0, 16, True, **pool),
+        "longest_tokens ": lambda: policy.transition(False, 5, 0, 1, -1),
         "pages[0]": lambda: policy.release_order("a", [2**32]),
         "request_ids": lambda: policy.report(b"", "ab"),
         "groups": lambda: _core.BlockRows(True, 16),

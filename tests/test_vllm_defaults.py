@@ -399,7 +399,7 @@ def test_short_requests_keep_no_hot_region_in_reserve(monkeypatch):
 
 def test_admission_headroom_counts_what_vllm_holds():
     """While requests wait, the first admission of each schedule pass gathers the pool's counts
-    (``HisparseCoordinator._has_headroom``) from only the requests not yet known to read through their hot
+    (``HisparseCoordinator._admit``) from only the requests not yet known to read through their hot
     regions. Every time, under pressure on vLLM's defaults, they equal the counts taken the long way: every
     running request asked whether it reads from the host (vLLM's own test, unremembered), every request vLLM
     asked for a region counted for the blocks it still lacks."""
@@ -417,7 +417,7 @@ def test_admission_headroom_counts_what_vllm_holds():
         def __getattr__(self, name):
             return getattr(self.order, name)
 
-        def has_headroom(self, *args, **counts):
+        def admit(self, *args, **counts):
             running = coord.resident_managers[0].req_to_blocks
             reading = [rid for rid in running if HiSparseCoordinator._can_read_from_host(coord, rid)]
             expected = {
@@ -428,7 +428,7 @@ def test_admission_headroom_counts_what_vllm_holds():
                 "may_take_hot": any(rid not in reading and coord._may_take_hot_region(rid) for rid in running)}
             assert counts == expected
             gathered.append(counts)
-            return self.order.has_headroom(*args, **counts)
+            return self.order.admit(*args, **counts)
 
     coord.order = Checked(coord.order)
     H.run(setup, H.FakeWorker(setup, layers=LAYERS, completion_lag=1), jobs)

@@ -242,13 +242,13 @@ class PoolPolicy:
         self,
         fills_window: bool,
         free_blocks: int,
-        admission_waiting: bool,
         releasable_pages: int,
         next_blocks: int,
         longest_tokens: int | None,
     ) -> Literal["stay", "declined", "postponed", "take"]: ...
     def never_takes_hot_region(self, longest_tokens: int) -> bool: ...
-    def has_headroom(
+    def admitting(self) -> bool: ...
+    def admit(
         self,
         tokens: int,
         computed_tokens: int,
@@ -261,6 +261,7 @@ class PoolPolicy:
         owed_hot_blocks: int,
         may_take_hot: bool,
     ) -> bool: ...
+    def end_pass(self) -> None: ...
 
 def unpack_row_mirrors(
     cls: type[_T],

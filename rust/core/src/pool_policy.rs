@@ -19,6 +19,8 @@
 //! - [`PoolShape`]: the admission and transition decisions on vLLM's counts ([`PoolShape::transition`],
 //!   [`PoolShape::has_headroom`], [`PoolShape::never_takes_hot_region`]): the vLLM adapter gathers the counts
 //!   from vLLM's managers and asks here.
+//! - [`AdmissionPass`]: what one schedule pass's admissions decide together: first come, first served, and a
+//!   request left waiting counts as a low pool for the pass's transitions.
 //!
 //! A summary comes from vLLM's worker (`hisparse.integrations.vllm.heat`) with the request ids of its
 //! batch: its `requests` are indices into them. `fifo` never reports heat.
@@ -224,8 +226,59 @@ impl PoolShape {
     }
 }
 
+/// One schedule pass's admissions, in vLLM's waiting-queue order. Once a request is refused, every later one
+/// waits behind it until the pass ends, as when vLLM's allocator cannot place the head of its queue: a refused
+/// long request would otherwise be overtaken by every shorter one for as long as they keep coming. And the
+/// refusal counts as a low pool for the pass's transitions ([`Self::transition`]), so that the requests worth
+/// moving to their hot regions free room for the one waiting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdmissionPass {
+    refused: bool,
+}
+
+impl AdmissionPass {
+    /// Whether this pass still admits: no request was refused in it. Asked first, so that the caller gathers
+    /// the pool's counts only for an admission that may be granted.
+    pub fn admitting(&self) -> bool {
+        !self.refused
+    }
+
+    /// Whether `ask` starts now: no request was refused before it in this pass, and the pool keeps its
+    /// headroom ([`PoolShape::has_headroom`]). A refusal holds the rest of the pass.
+    pub fn admit(&mut self, shape: &PoolShape, ask: &Admission, pool: &PoolState) -> bool {
+        let admitted = !self.refused && shape.has_headroom(ask, pool);
+        self.refused |= !admitted;
+        admitted
+    }
+
+    /// [`PoolShape::transition`] in this pass, where a request left waiting counts as a low pool.
+    pub fn transition(
+        &self,
+        shape: &PoolShape,
+        fills_window: bool,
+        free_blocks: usize,
+        releasable_pages: usize,
+        next_blocks: usize,
+        longest_tokens: Option<usize>,
+    ) -> Transition {
+        shape.transition(
+            fills_window,
+            free_blocks,
+            self.refused,
+            releasable_pages,
+            next_blocks,
+            longest_tokens,
+        )
+    }
+
+    /// The pass is over: the next one admits afresh.
+    pub fn end(&mut self) {
+        self.refused = false;
+    }
+}
+
 /// Per-request selection heat and the orders derived from it (module docs). The decisions on vLLM's counts
-/// are [`PoolShape`]'s: they keep no state.
+/// are [`PoolShape`]'s, which keeps no state, and a schedule pass's [`AdmissionPass`]'s.
 #[derive(Debug, Default)]
 pub struct PoolPolicy {
     requests: IdMap<String, Ranking>,
@@ -466,6 +519,30 @@ mod tests {
         assert!(!wide.has_headroom(&longer, &PoolState { free_blocks: 188 * 7 - 1, ..empty }));
         let unbounded = Admission { longest_tokens: None, ..longer };
         assert!(!wide.has_headroom(&unbounded, &PoolState { free_blocks: 188 + 160 * 6 + 9_999, ..empty }));
+    }
+
+    #[test]
+    fn a_refused_admission_holds_the_rest_of_its_pass_and_counts_as_a_low_pool() {
+        let s = DSV32;
+        let short =
+            Admission { tokens: 3000, computed_tokens: 0, chunk_tokens: 8192, longest_tokens: Some(3000) };
+        let long = Admission { tokens: 60_000, longest_tokens: None, ..short };
+        let pool = PoolState { free_blocks: 1000, ..PoolState::default() };
+        let mut pass = AdmissionPass::default();
+        assert!(pass.admitting() && pass.admit(&s, &short, &pool));
+        // A pool above the watermark: a request within its window stays as it is.
+        assert_eq!(pass.transition(&s, false, 1000, 65, 7, None), Transition::Stay);
+        // The long one does not fit; the short one behind it would, but waits its turn.
+        assert!(!pass.admit(&s, &long, &pool));
+        assert!(!pass.admitting());
+        assert!(!pass.admit(&s, &short, &pool));
+        // Meanwhile a request whose pages pay for its region moves, to make room; one whose do not, stays.
+        assert_eq!(pass.transition(&s, false, 1000, 65, 7, None), Transition::Take);
+        assert_eq!(pass.transition(&s, false, 1000, 64, 7, None), Transition::Declined);
+        // The next pass admits afresh, in queue order.
+        pass.end();
+        assert!(pass.admitting() && pass.admit(&s, &short, &pool));
+        assert_eq!(pass.transition(&s, false, 1000, 65, 7, None), Transition::Stay);
     }
 
     #[test]

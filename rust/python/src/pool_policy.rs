@@ -4,7 +4,9 @@
 
 use std::sync::Mutex;
 
-use hisparse_core::pool_policy::{Admission, PoolPolicy as CorePoolPolicy, PoolShape, PoolState};
+use hisparse_core::pool_policy::{
+    Admission, AdmissionPass, PoolPolicy as CorePoolPolicy, PoolShape, PoolState,
+};
 use hisparse_core::HeatSummary;
 use pyo3::prelude::*;
 
@@ -18,11 +20,17 @@ pub struct PoolPolicy {
     inner: Mutex<CorePoolPolicy>,
     /// Set once at construction: the decisions on vLLM's counts (stateless, so read without the lock).
     shape: PoolShape,
+    /// The current schedule pass's admissions.
+    admissions: Mutex<AdmissionPass>,
 }
 
 impl PoolPolicy {
     fn with<R>(&self, f: impl FnOnce(&mut CorePoolPolicy) -> R) -> R {
         f(&mut crate::locked(&self.inner))
+    }
+
+    fn pass<R>(&self, f: impl FnOnce(&mut AdmissionPass) -> R) -> R {
+        f(&mut crate::locked(&self.admissions))
     }
 }
 
@@ -53,7 +61,7 @@ impl PoolPolicy {
             tail_pages: count(tail_pages, "tail_pages")?,
             low_watermark: count(low_watermark, "low_watermark")?,
         };
-        Ok(Self { inner: Mutex::new(CorePoolPolicy::new()), shape })
+        Ok(Self { inner: Mutex::new(CorePoolPolicy::new()), shape, admissions: Mutex::default() })
     }
 
     /// Takes an encoded heat summary from vLLM's worker (``heat.HeatReport``): its request ``i`` is
@@ -94,30 +102,36 @@ impl PoolPolicy {
     }
 
     /// For a request not reading through a hot region yet: ``"take"`` one, ``"stay"`` as it is (the pool is
-    /// not low), ``"declined"`` (low, but releasing its pages would not pay for the region) or
-    /// ``"postponed"`` (the pool cannot grant the region and the next step's blocks without vLLM preempting
-    /// someone). ``fills_window``: it holds the resident pages admission reserved for it;
-    /// ``admission_waiting``: an admission was deferred this step (counts as a low pool);
-    /// ``releasable_pages``: its pages outside the tail not released yet; ``next_blocks``: the blocks its
-    /// next step allocates for new pages; ``longest_tokens``: the most tokens it can reach (None: unbounded),
-    /// so that one that never takes a region is not moved when its window fills.
+    /// not low, and no admission was refused in this schedule pass), ``"declined"`` (low, but releasing its
+    /// pages would not pay for the region) or ``"postponed"`` (the pool cannot grant the region and the next
+    /// step's blocks without vLLM preempting someone). ``fills_window``: it holds the resident pages
+    /// admission reserved for it; ``releasable_pages``: its pages outside the tail not released yet;
+    /// ``next_blocks``: the blocks its next step allocates for new pages; ``longest_tokens``: the most tokens
+    /// it can reach (None: unbounded), so that one that never takes a region is not moved when its window
+    /// fills.
     fn transition(
         &self,
         fills_window: &Bound<'_, PyAny>,
         free_blocks: &Bound<'_, PyAny>,
-        admission_waiting: &Bound<'_, PyAny>,
         releasable_pages: &Bound<'_, PyAny>,
         next_blocks: &Bound<'_, PyAny>,
         longest_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<&'static str> {
-        let decision = self.shape.transition(
-            boolean(fills_window, "fills_window")?,
-            int(free_blocks, "free_blocks")?,
-            boolean(admission_waiting, "admission_waiting")?,
-            int(releasable_pages, "releasable_pages")?,
-            int(next_blocks, "next_blocks")?,
-            opt_int(Some(longest_tokens), "longest_tokens")?,
-        );
+        let (fills_window, free_blocks) =
+            (boolean(fills_window, "fills_window")?, int(free_blocks, "free_blocks")?);
+        let (releasable_pages, next_blocks) =
+            (int(releasable_pages, "releasable_pages")?, int(next_blocks, "next_blocks")?);
+        let longest_tokens = opt_int(Some(longest_tokens), "longest_tokens")?;
+        let decision = self.pass(|p| {
+            p.transition(
+                &self.shape,
+                fills_window,
+                free_blocks,
+                releasable_pages,
+                next_blocks,
+                longest_tokens,
+            )
+        });
         Ok(decision.name())
     }
 
@@ -126,15 +140,21 @@ impl PoolPolicy {
         Ok(self.shape.never_takes_hot_region(int(longest_tokens, "longest_tokens")?))
     }
 
+    /// Whether this schedule pass still admits: no request was refused in it (first come, first served).
+    fn admitting(&self) -> bool {
+        self.pass(|p| p.admitting())
+    }
+
     /// Whether a waiting request of ``tokens`` (``computed_tokens`` of them a prefix hit, scheduled up to
-    /// ``chunk_tokens`` a step, growing to ``longest_tokens`` at most, None: unbounded) may start in a pool of ``free_blocks``
-    /// with ``running`` requests holding blocks (``reading_host`` of them through their hot regions),
-    /// ``owed_hot_blocks`` still owed to hot regions asked for, and ``may_take_hot`` when a running request may
-    /// still take one (``pool_policy.rs``).
+    /// ``chunk_tokens`` a step, growing to ``longest_tokens`` at most, None: unbounded) may start now, in a
+    /// pool of ``free_blocks`` with ``running`` requests holding blocks (``reading_host`` of them through
+    /// their hot regions), ``owed_hot_blocks`` still owed to hot regions asked for, and ``may_take_hot`` when
+    /// a running request may still take one: not once a request was refused in this pass, which a refusal
+    /// holds until :meth:`end_pass` (``pool_policy.rs``).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (tokens, computed_tokens, chunk_tokens, longest_tokens, *, free_blocks, running, reading_host,
                         owed_hot_blocks, may_take_hot))]
-    fn has_headroom(
+    fn admit(
         &self,
         tokens: &Bound<'_, PyAny>,
         computed_tokens: &Bound<'_, PyAny>,
@@ -159,6 +179,11 @@ impl PoolPolicy {
             owed_hot_blocks: int(owed_hot_blocks, "owed_hot_blocks")?,
             may_take_hot: boolean(may_take_hot, "may_take_hot")?,
         };
-        Ok(self.shape.has_headroom(&ask, &pool))
+        Ok(self.pass(|p| p.admit(&self.shape, &ask, &pool)))
+    }
+
+    /// The schedule pass is over: the next one admits afresh.
+    fn end_pass(&self) {
+        self.pass(|p| p.end());
     }
 }

@@ -91,8 +91,6 @@ class HisparseCoordinator(Bookkeeping):
             blocks_per_page=self.blocks_per_page, hot_blocks=self.hot_cost,
             admission_pages=min((m.max_admission_blocks_per_request for m in self.resident_managers), default=0),
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
-        # Set when an admission was deferred during this schedule(); read by this step's transitions.
-        self._deferred = False
         # vLLM's token budget per step, the longest prefill chunk (set by the connector), and each request's
         # tokens computed once this step has run (advance_scheduled): what its next step allocates.
         self.chunk_tokens = 0
@@ -164,7 +162,7 @@ class HisparseCoordinator(Bookkeeping):
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
         request = self.requests.get(request_id)
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
-                                         self._deferred, max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)),
+                                         max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)),
                                          self._next_step_blocks(request_id),
                                          None if request is None else self._longest(request))
         if decision != "take":
@@ -181,9 +179,8 @@ class HisparseCoordinator(Bookkeeping):
         """Whether the waiting vLLM ``request``, ``num_computed_tokens`` of it a local prefix hit, may start now,
         its prompt being scheduled ``admission_tokens`` at a time (module docstring). Yes in an engine with no
         request holding blocks (which could never make room).
-        Once one request is refused, every later one waits behind it until the next ``schedule()``: vLLM's
-        waiting queue stays first come, first served, as when its allocator cannot place the head (a refused
-        long request would otherwise be overtaken by every shorter one for as long as they keep coming).
+        Once one request is refused, every later one waits behind it until the next ``schedule()``
+        (``AdmissionPass`` in ``pool_policy.rs``: vLLM's waiting queue stays first come, first served).
         ``can_wait`` is false for a request vLLM starts whatever we answer: its refusal is counted apart."""
         admitted = self._admits(request, num_computed_tokens, admission_tokens, can_wait)
         if self.restores is not None and (admitted or not can_wait):
@@ -194,15 +191,14 @@ class HisparseCoordinator(Bookkeeping):
         num_running = len(self.resident_managers[0].req_to_blocks) if self.resident_managers else 0
         if num_running == 0:
             return True
-        if not self._deferred:
+        if self.order.admitting():  # no request refused before it in this pass
             if can_wait and (loadable := self.loadable_prefix(request)) > num_computed_tokens:
                 num_computed_tokens = loadable  # loaded back beside us
                 self.counters["admissions_counting_loads"] += 1
-            if self._has_headroom(request.num_tokens, num_computed_tokens, admission_tokens, num_running,
-                                  self._longest(request)):
+            if self._admit(request.num_tokens, num_computed_tokens, admission_tokens, num_running,
+                           self._longest(request)):
                 return True
         self.counters["admissions_deferred" if can_wait else "admissions_forced"] += 1
-        self._deferred = True
         return False
 
     def _never_takes_hot_region(self, longest: int | None) -> bool:
@@ -215,11 +211,12 @@ class HisparseCoordinator(Bookkeeping):
         request = self.requests.get(request_id)
         return request is None or not self._is_short(request)
 
-    def _has_headroom(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
-                      num_running: int, longest: int | None) -> bool:
-        """The counts ``PoolShape::has_headroom`` decides on, gathered from vLLM's managers. Asked once a
-        schedule pass while requests wait, so it reads only the requests not known to read through their hot
-        regions (under pressure, few): one that does holds every region whole until it is freed
+    def _admit(self, num_tokens: int, num_computed_tokens: int, admission_tokens: int,
+               num_running: int, longest: int | None) -> bool:
+        """The core's admission (``AdmissionPass::admit``) on the counts ``PoolShape::has_headroom`` decides on,
+        gathered from vLLM's managers. Asked for each admission until one is refused in the pass (under
+        pressure, once a pass), so it reads only the requests not known to read through their hot regions
+        (under pressure, few): one that does holds every region whole until it is freed
         (``_can_read_from_host``), so it owes no block and reads from the host. vLLM keeps every request it
         asked for a region in ``hot_required`` until it is freed (those restored whole, which never hold one,
         leave it earlier: ``restore.py``)."""
@@ -230,9 +227,9 @@ class HisparseCoordinator(Bookkeeping):
         resident_only = [rid for rid in running.keys() - reads_host if not self._can_read_from_host(rid)]
         reading_host = len(running) - len(resident_only)
         may_take_hot = any(self._may_take_hot_region(rid) for rid in resident_only)
-        return self.order.has_headroom(num_tokens, num_computed_tokens, admission_tokens, longest,
-                                       free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
-                                       reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
+        return self.order.admit(num_tokens, num_computed_tokens, admission_tokens, longest,
+                                free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
+                                reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
 
     def _next_step_blocks(self, request_id: str) -> int:
         """The blocks the request's next step allocates, every group's and the indexer's for each new page: its
@@ -250,7 +247,7 @@ class HisparseCoordinator(Bookkeeping):
         # The connector's last call of a schedule pass (``build_connector_meta``): the pass's state ends here.
         self._step_ends = dict(requests)
         super().advance_scheduled(self._step_ends.items())
-        self._deferred = False
+        self.order.end_pass()
         if self.restores is not None:
             self.restores.end_pass()
 
