@@ -615,7 +615,8 @@ def test_the_vllm_bookkeeping_refuses_counts_no_engine_has():
         _core.unpack_row_mirrors(object, ["a"], count, b"", two, two, 2**63)
     policy = _core.PoolPolicy(block_size=16, blocks_per_page=2, hot_blocks=64, admission_pages=4, tail_pages=2,
                               low_watermark=10)
-    assert policy.transition(True, 100, 0, 2**64 - 1, None) == "postponed"
+    assert policy.transition(True, 100, 0, 0, 0, 2**64 - 1, 0, None) == "postponed"
+    assert policy.transition(True, 2**64 - 1, 2**64 - 1, 0, 2**64 - 1, 2**64 - 1, 2**64 - 1, None) == "take"
     pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
     assert policy.admit(16, 0, 16, 16, **pool)
     assert policy.admit(16, 0, 16, 16, **{**pool, "free_blocks": 2**64 - 1})
@@ -639,11 +640,12 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "hot_blocks": lambda: _core.PoolPolicy(hot_blocks=2.0),
         "tail_pages": lambda: _core.PoolPolicy(tail_pages=True),
         "releasable_pages": lambda: policy.worth_transition(-1),
-        "free_blocks": lambda: policy.transition(False, -5, 0, 1, None),
-        "fills_window": lambda: policy.transition(1, 5, 0, 1, None),
+        "free_blocks": lambda: policy.transition(False, -5, 0, 0, 0, 0, 0, None),
+        "fills_window": lambda: policy.transition(1, 5, 0, 0, 0, 0, 0, None),
+        "tokens_left": lambda: policy.transition(False, 5, 0, 0, 0, -1, 0, None),
         "tokens": lambda: policy.admit(-1, 0, 16, 16, **pool),
         "longest_tokens": lambda: policy.admit(16, 0, 16, True, **pool),
-        "longest_tokens ": lambda: policy.transition(False, 5, 0, 1, -1),
+        "longest_tokens ": lambda: policy.transition(False, 5, 0, 0, 0, 0, 0, -1),
         "pages[0]": lambda: policy.release_order("a", [2**32]),
         "request_ids": lambda: policy.report(b"", "ab"),
         "groups": lambda: _core.BlockRows(True, 16),

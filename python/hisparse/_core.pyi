@@ -242,8 +242,11 @@ class PoolPolicy:
         self,
         fills_window: bool,
         free_blocks: int,
-        releasable_pages: int,
-        next_blocks: int,
+        row_pages: int,
+        released_pages: int,
+        step_end: int,
+        tokens_left: int,
+        chunk_tokens: int,
         longest_tokens: int | None,
     ) -> Literal["stay", "declined", "postponed", "take"]: ...
     def never_takes_hot_region(self, longest_tokens: int) -> bool: ...

@@ -17,7 +17,8 @@
 //! - [`worth_transition`]: a request moves to reading through a hot region only when the pages it would
 //!   release free more blocks than the region costs.
 //! - [`PoolShape`]: the admission and transition decisions on vLLM's counts ([`PoolShape::transition`],
-//!   [`PoolShape::has_headroom`], [`PoolShape::never_takes_hot_region`]): the vLLM adapter gathers the counts
+//!   [`PoolShape::has_headroom`], [`PoolShape::never_takes_hot_region`]), and the arithmetic of their inputs
+//!   ([`PoolShape::releasable_pages`], [`PoolShape::next_step_blocks`]): the vLLM adapter gathers the counts
 //!   from vLLM's managers and asks here.
 //! - [`AdmissionPass`]: what one schedule pass's admissions decide together: first come, first served, and a
 //!   request left waiting counts as a low pool for the pass's transitions.
@@ -164,6 +165,26 @@ impl PoolShape {
         } else {
             Transition::Take
         }
+    }
+
+    /// The pages a request of `row_pages` (its rows' length) could release by taking a hot region: those
+    /// outside its tail not released already (`released_pages`).
+    pub fn releasable_pages(&self, row_pages: usize, released_pages: usize) -> usize {
+        row_pages.saturating_sub(self.tail_pages).saturating_sub(released_pages)
+    }
+
+    /// The blocks a request's next step allocates for new pages, every resident group's and the indexer's
+    /// for each: its next prefill chunk's (at most `chunk_tokens` of the `tokens_left` past `step_end`, the
+    /// tokens it has computed once the current step has run; `chunk_tokens` 0: no limit), or a decode's one
+    /// page; at least one page, the next step's growth a decision must leave room for.
+    pub fn next_step_blocks(&self, step_end: usize, tokens_left: usize, chunk_tokens: usize) -> usize {
+        let tokens = match (tokens_left, chunk_tokens) {
+            (0, _) => 1,
+            (left, 0) => left,
+            (left, chunk) => left.min(chunk),
+        };
+        let pages = self.pages(step_end.saturating_add(tokens)) - self.pages(step_end);
+        pages.max(1).saturating_mul(self.blocks_per_page + 1)
     }
 
     /// Whether a request that never grows past `longest_tokens` is never to be moved to a hot region: its
@@ -430,6 +451,24 @@ mod tests {
         // ...and the pool can grant the region and the next step's blocks without vLLM preempting anyone.
         assert_eq!(s.transition(false, 390, false, 65, 7, None), Transition::Postponed);
         assert_eq!(s.transition(false, 391, false, 65, 7, None), Transition::Take);
+    }
+
+    #[test]
+    fn a_transitions_inputs_are_its_pages_outside_the_tail_and_its_next_steps_growth() {
+        let s = DSV32;
+        assert_eq!(s.releasable_pages(100, 30), 68);
+        assert_eq!(s.releasable_pages(100, 98), 0);
+        assert_eq!(s.releasable_pages(1, 0), 0);
+        // A decode within its page, or at a page boundary: one page of 6 resident blocks and an indexer block.
+        assert_eq!(s.next_step_blocks(1000, 0, 2048), 7);
+        assert_eq!(s.next_step_blocks(1024, 0, 2048), 7);
+        // A prefill chunk of 2,048 tokens from a page boundary: 32 pages; 200 tokens left from 1,000: 3 pages
+        // (1,000 sits in page 15, allocated already; 1,199 in page 18).
+        assert_eq!(s.next_step_blocks(1024, 10_000, 2048), 32 * 7);
+        assert_eq!(s.next_step_blocks(1000, 200, 2048), 3 * 7);
+        // Without a chunk limit, the whole prompt left.
+        assert_eq!(s.next_step_blocks(0, 64 * 100, 0), 100 * 7);
+        assert_eq!(s.next_step_blocks(usize::MAX - 1, 10, 0), 7);
     }
 
     #[test]

@@ -105,32 +105,36 @@ impl PoolPolicy {
     /// not low, and no admission was refused in this schedule pass), ``"declined"`` (low, but releasing its
     /// pages would not pay for the region) or ``"postponed"`` (the pool cannot grant the region and the next
     /// step's blocks without vLLM preempting someone). ``fills_window``: it holds the resident pages
-    /// admission reserved for it; ``releasable_pages``: its pages outside the tail not released yet;
-    /// ``next_blocks``: the blocks its next step allocates for new pages; ``longest_tokens``: the most tokens
-    /// it can reach (None: unbounded), so that one that never takes a region is not moved when its window
-    /// fills.
+    /// admission reserved for it; ``row_pages``: its rows' length, ``released_pages`` of them released
+    /// already; ``step_end``: its tokens computed once this step has run, ``tokens_left`` past them, and
+    /// ``chunk_tokens`` the most a step schedules (0: no limit), which set its next step's growth;
+    /// ``longest_tokens``: the most tokens it can reach (None: unbounded), so that one that never takes a
+    /// region is not moved when its window fills.
+    #[allow(clippy::too_many_arguments)]
     fn transition(
         &self,
         fills_window: &Bound<'_, PyAny>,
         free_blocks: &Bound<'_, PyAny>,
-        releasable_pages: &Bound<'_, PyAny>,
-        next_blocks: &Bound<'_, PyAny>,
+        row_pages: &Bound<'_, PyAny>,
+        released_pages: &Bound<'_, PyAny>,
+        step_end: &Bound<'_, PyAny>,
+        tokens_left: &Bound<'_, PyAny>,
+        chunk_tokens: &Bound<'_, PyAny>,
         longest_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<&'static str> {
+        let shape = &self.shape;
         let (fills_window, free_blocks) =
             (boolean(fills_window, "fills_window")?, int(free_blocks, "free_blocks")?);
-        let (releasable_pages, next_blocks) =
-            (int(releasable_pages, "releasable_pages")?, int(next_blocks, "next_blocks")?);
+        let releasable =
+            shape.releasable_pages(int(row_pages, "row_pages")?, int(released_pages, "released_pages")?);
+        let next_blocks = shape.next_step_blocks(
+            int(step_end, "step_end")?,
+            int(tokens_left, "tokens_left")?,
+            int(chunk_tokens, "chunk_tokens")?,
+        );
         let longest_tokens = opt_int(Some(longest_tokens), "longest_tokens")?;
         let decision = self.pass(|p| {
-            p.transition(
-                &self.shape,
-                fills_window,
-                free_blocks,
-                releasable_pages,
-                next_blocks,
-                longest_tokens,
-            )
+            p.transition(shape, fills_window, free_blocks, releasable, next_blocks, longest_tokens)
         });
         Ok(decision.name())
     }

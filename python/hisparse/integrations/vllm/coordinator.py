@@ -161,9 +161,12 @@ class HisparseCoordinator(Bookkeeping):
             return
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
         request = self.requests.get(request_id)
+        # Its tokens computed once this step has run, and those left past them (a request resumed after a
+        # preemption prefills its outputs too): the core counts the blocks its next step allocates.
+        end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
+        left = 0 if request is None else max(0, request.num_tokens - end)
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
-                                         max(0, pages - ACTIVE_TAIL_PAGES - len(state.unpinned_pages)),
-                                         self._next_step_blocks(request_id),
+                                         pages, len(state.unpinned_pages), end, left, self.chunk_tokens,
                                          None if request is None else self._longest(request))
         if decision != "take":
             if decision != "stay":
@@ -230,18 +233,6 @@ class HisparseCoordinator(Bookkeeping):
         return self.order.admit(num_tokens, num_computed_tokens, admission_tokens, longest,
                                 free_blocks=self.gpu_pool.get_num_free_blocks(), running=num_running,
                                 reading_host=reading_host, owed_hot_blocks=owed, may_take_hot=may_take_hot)
-
-    def _next_step_blocks(self, request_id: str) -> int:
-        """The blocks the request's next step allocates, every group's and the indexer's for each new page: its
-        next prefill chunk's pages, or a page for a decode (drafts included), whichever it is at. A request
-        resumed after a preemption prefills its outputs too, not only its prompt."""
-        request = self.requests.get(request_id)
-        end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
-        left = 0 if request is None else request.num_tokens - end
-        tokens = min(left, self.chunk_tokens or left) if left > 0 else 1
-        size = self.resident_managers[0].block_size
-        pages = -(-(end + tokens) // size) - (-(-end // size))
-        return max(1, pages) * (self.blocks_per_page + 1)
 
     def advance_scheduled(self, requests) -> None:
         # The connector's last call of a schedule pass (``build_connector_meta``): the pass's state ends here.
