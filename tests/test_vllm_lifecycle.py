@@ -1,5 +1,6 @@
 """The invariants of a HiSparse page's life in vLLM 0.33's coordinator, checked after every step of vLLM's own
-HiSparse and of ours (``fifo`` and ``coldest``), under pressure, preemptions and prefix hits.
+HiSparse and of ours (``fifo`` and ``coldest``), under pressure, preemptions, prefix hits, host imports beside
+vLLM's offloading connector, aborted turns and short requests restored whole.
 
 vLLM's coordinator keeps each request's pages in sets (``_HiSparseRequestState``): a page is *dirty* (on the GPU
 only), *copying* (``pending_pages``: a transfer in flight), *clean* (``valid_pages``: its host copy complete),
@@ -90,7 +91,38 @@ def lifecycle_violations(coord) -> list[str]:
 
 
 def _coordinator(setup):
-    return setup.scheduler.connector.connector_scheduler.coordinator
+    """The HiSparse coordinator behind the scheduler's connector, alone or a ``MultiConnector`` child."""
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    connectors = getattr(setup.scheduler.connector, "sub_connectors", None) or [setup.scheduler.connector]
+    found = [getattr(getattr(c, "connector_scheduler", None), "coordinator", None) for c in connectors]
+    (coord,) = [c for c in found if isinstance(c, HiSparseCoordinator)]
+    return coord
+
+
+def _run_checked(setup, worker, jobs, **run) -> tuple:
+    """``jobs`` through vLLM's scheduler, the lifecycle checked after every step: the run's stats, and in how
+    many steps each state the invariants speak of was held by some request."""
+    coord = _coordinator(setup)
+    seen: Counter[str] = Counter()
+
+    def on_step(step: int) -> None:
+        bad = lifecycle_violations(coord)
+        assert not bad, f"step {step}: " + "; ".join(bad[:5])
+        states = coord.request_states.values()
+        seen["released"] += any(st.unpinned_pages for st in states)
+        seen["pinned"] += any(st.pinned_clean for st in states)
+        seen["in flight"] += bool(coord.pending_spills)
+        seen["lost"] += any(block.is_null for rid in coord.request_states
+                            for block in coord.resident_managers[0].get_residency_row(rid))
+        seen["owned"] += any(coord._owners.values())
+        seen["copies"] += bool(coord.copies)
+
+    return H.run(setup, worker, jobs, on_step=on_step, **run), seen
+
+
+#: The states the invariants speak of, each of which a run must reach for its check to mean anything.
+STATES = ("released", "pinned", "in flight", "lost", "owned", "copies")
 
 
 @pytest.mark.parametrize("mode,policy,async_scheduling,mtp", [
@@ -110,22 +142,40 @@ def test_every_step_keeps_the_page_lifecycle_invariants(monkeypatch, mode, polic
                     async_scheduling=async_scheduling, num_spec_tokens=mtp,
                     max_num_batched_tokens=2048 if mtp else 8192,
                     extra=None if policy is None else {"policy": policy, "heat_interval": 4})
-    coord = _coordinator(setup)
-    seen: Counter[str] = Counter()
-
-    def on_step(step: int) -> None:
-        bad = lifecycle_violations(coord)
-        assert not bad, f"step {step}: " + "; ".join(bad[:5])
-        states = coord.request_states.values()
-        seen["released"] += any(st.unpinned_pages for st in states)
-        seen["pinned"] += any(st.pinned_clean for st in states)
-        seen["in flight"] += bool(coord.pending_spills)
-        seen["lost"] += any(block.is_null for rid in coord.request_states
-                            for block in coord.resident_managers[0].get_residency_row(rid))
-        seen["owned"] += any(coord._owners.values())
-        seen["copies"] += bool(coord.copies)
-
     worker = H.FakeWorker(setup, layers=[0, 60], completion_lag=2)
-    stats = H.run(setup, worker, jobs, num_spec_tokens=mtp, on_step=on_step)
+    stats, seen = _run_checked(setup, worker, jobs, num_spec_tokens=mtp)
     assert stats.rows_from_host > 0 and stats.preemptions + stats.prefix_hit_tokens > 0
-    assert all(seen[state] for state in ("released", "pinned", "in flight", "lost", "owned", "copies")), seen
+    assert all(seen[state] for state in STATES), seen
+
+
+@pytest.mark.parametrize("mode,policy", [("native", None), ("hisparse", "fifo")])
+def test_agents_beside_the_offloading_connector_keep_the_page_lifecycle_invariants(mode, policy):
+    """The published deployment's shape, scaled down (``test_vllm_agent.py``): GLM-5.3's layout, MTP 3, async,
+    HiSparse beside vLLM's offloading connector, agent conversations in a pool that holds about half of them,
+    turns aborted mid-answer, copies completing two steps late; later turns hit their prefixes on the GPU, on
+    HiSparse's host pool only (host imports) and in the offloading tier. vLLM's decisions (native and
+    ``fifo``): under ``coldest`` these turns are too short ever to pay for a hot region, so they keep their
+    pages and never reach the released states (its lifecycle is checked above, and restores below)."""
+    setup = H.build(mode=mode, model="glm5.3", gpu_gib=1.8, max_model_len=16384, num_spec_tokens=3,
+                    host_pool_gib=40, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024,
+                    offload_gib=0.25, extra=None if policy is None else {"policy": policy})
+    worker = H.FakeWorker(setup, layers=[0, 77], completion_lag=2)
+    jobs, then = H.conversations(6, 100, first=2500, later=300, output=24, turns=3, spacing=2)
+    stats, seen = _run_checked(setup, worker, jobs, then=then, aborts={"c1-t2": 5, "c3-t1": 10}, num_spec_tokens=3)
+    assert stats.aborted == 2 and stats.host_only_prefix_admissions > 0 and stats.rows_from_host > 0
+    assert all(seen[state] for state in STATES), seen
+
+
+@pytest.mark.parametrize("mode", ["native", "hisparse"])
+def test_short_turns_restored_whole_keep_the_page_lifecycle_invariants(monkeypatch, mode):
+    """Short later turns on GLM-5.3's layout at the published top-K, MTP 3, async, beside the offloading
+    connector: vLLM gives each prefix hit a hot region, hisparse restores it whole to resident pages
+    (``restore.py``: its pages are planned as restores, host to GPU, and adopted)."""
+    monkeypatch.setattr(H, "TOP_K", 2048)
+    setup = H.build(mode=mode, model="glm5.3", gpu_gib=1.0, max_model_len=4096, num_spec_tokens=3,
+                    async_scheduling=True, max_num_batched_tokens=8192, host_pool_gib=8, offload_gib=0.25)
+    jobs, then = H.conversations(4, 300, first=2000, later=900, output=48, turns=2)
+    stats, seen = _run_checked(setup, H.FakeWorker(setup, layers=[0, 42]), jobs, then=then, num_spec_tokens=3)
+    assert stats.prefix_hit_tokens > 0 and seen["pinned"] and seen["copies"], seen
+    if mode == "hisparse":
+        assert _coordinator(setup).counters["restored_whole"] >= 4
