@@ -56,6 +56,15 @@ impl PageSet {
         present
     }
 
+    /// Adds (`present`) or removes `page`; returns whether that changed the set.
+    pub fn set(&mut self, page: u32, present: bool) -> bool {
+        if present {
+            self.insert(page)
+        } else {
+            self.remove(page)
+        }
+    }
+
     /// Keeps only the pages below `end`.
     pub fn truncate(&mut self, end: u32) {
         let (word, bit) = Self::at(end);
@@ -117,8 +126,9 @@ mod tests {
             let (mut set, mut model) = (PageSet::default(), BTreeSet::new());
             for (op, page) in ops {
                 match op {
-                    0 | 1 => prop_assert_eq!(set.insert(page), model.insert(page)),
-                    2 => prop_assert_eq!(set.remove(page), model.remove(&page)),
+                    0 => prop_assert_eq!(set.insert(page), model.insert(page)),
+                    1 => prop_assert_eq!(set.set(page, true), model.insert(page)),
+                    2 => prop_assert_eq!(set.set(page, false), model.remove(&page)),
                     _ => {
                         set.truncate(page);
                         model.retain(|&p| p < page);

@@ -74,7 +74,7 @@ impl Releasable {
 
     /// Adds (`yes`) or removes a page; returns whether that changed anything.
     pub fn set(&mut self, page: u32, yes: bool) -> bool {
-        let changed = if yes { self.all.insert(page) } else { self.all.remove(page) };
+        let changed = self.all.set(page, yes);
         if changed {
             self.place(page, yes);
             self.front = self.order().next();
@@ -85,11 +85,8 @@ impl Releasable {
     /// Puts a page into (or takes it out of) the part the summary assigns it.
     fn place(&mut self, page: u32, yes: bool) {
         match self.find(page) {
-            None if yes => {
-                self.unlisted.insert(page);
-            }
             None => {
-                self.unlisted.remove(page);
+                self.unlisted.set(page, yes);
             }
             Some(l) if l.hottest => put(&mut self.hottest, (l.heat, page), yes),
             Some(l) => put(&mut self.coldest, (l.heat, page), yes),
