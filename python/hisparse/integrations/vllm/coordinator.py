@@ -83,12 +83,11 @@ class HisparseCoordinator(Bookkeeping):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)  # the resident groups share one pool, whose free blocks we count
-        self.blocks_per_page = len(self.resident_managers)
         self.hot_cost = sum(manager.blocks_per_request for manager in self.hot_managers)
         # The release order, and the admission and transition decisions on this pool's counts (pool_policy.rs).
         self.order = PoolPolicy(
             block_size=self.resident_managers[0].block_size if self.resident_managers else 0,
-            blocks_per_page=self.blocks_per_page, hot_blocks=self.hot_cost,
+            blocks_per_page=len(self.resident_managers), hot_blocks=self.hot_cost,
             admission_pages=min((m.max_admission_blocks_per_request for m in self.resident_managers), default=0),
             tail_pages=ACTIVE_TAIL_PAGES, low_watermark=self.transition_watermark)
         # vLLM's token budget per step, the longest prefill chunk (set by the connector), and each request's
