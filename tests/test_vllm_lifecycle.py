@@ -41,9 +41,10 @@ def lifecycle_violations(coord) -> list[str]:
     bad: list[str] = []
     managers, hot = coord.resident_managers, coord.hot_managers
     live, owners, transfers = coord.request_states, coord._owners, coord.pending_spills
+    rows_of = {rid: [manager.get_residency_row(rid) for manager in managers] for rid in live}
     for rid, st in live.items():
         valid, pinned, released, pending = st.valid_pages, st.pinned_clean, st.unpinned_pages, st.pending_pages
-        rows = [manager.get_residency_row(rid) for manager in managers]
+        rows = rows_of[rid]
         if not pinned | released <= valid:
             bad.append(f"{rid}: pinned or released pages not clean: {sorted((pinned | released) - valid)}")
         if pinned & released or released & pending.keys():
@@ -70,8 +71,7 @@ def lifecycle_violations(coord) -> list[str]:
             st = live.get(rid)
             if st is None or page not in st.unpinned_pages:
                 bad.append(f"block {block_id}: owner {rid} page {page} is not a released page of a live request")
-            elif all(page >= len(row) or row[page].block_id != block_id
-                     for row in (manager.get_residency_row(rid) for manager in managers)):
+            elif all(page >= len(row) or row[page].block_id != block_id for row in rows_of[rid]):
                 bad.append(f"block {block_id}: owner {rid} page {page} does not hold it")
     for host_hash, blocks in coord.copies.items():
         if any(coord._copy_by_block.get(block.block_id) != host_hash for block in blocks):
