@@ -626,13 +626,15 @@ def test_the_vllm_bookkeeping_refuses_counts_no_engine_has():
 
 
 def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
-    """The vLLM plugin's core objects check their arguments as ``ResidencyManager`` does (``args.rs``): a negative,
-    a bool, a float, a value past the range, a string for a sequence, a missing key or a group that does not exist
-    is an ``InvalidArgumentError`` naming the argument, never a raw ``OverflowError``/``TypeError``/``KeyError``,
-    nor a silent answer (a review's reproducers)."""
+    """The vLLM plugin's core objects (``PageBook`` too) check their arguments as ``ResidencyManager`` does
+    (``args.rs``): a negative, a bool, a float, a value past the range, a string for a sequence, a missing key or a
+    group that does not exist is an ``InvalidArgumentError`` naming the argument, never a raw
+    ``OverflowError``/``TypeError``/``KeyError``, nor a silent answer (a review's reproducers)."""
     policy = _core.PoolPolicy(block_size=16, blocks_per_page=2, hot_blocks=64, admission_pages=4, tail_pages=2)
     rows = _core.BlockRows(2, 16)
     rows.set("a", 0, [1, None])
+    fake_pool = types.SimpleNamespace(blocks=[])  # a pool's blocks by id (none: nothing is read here)
+    book = _core.PageBook(rows, object(), fake_pool, fake_pool, [0, 1], [], 16, 8)
     pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
     count, two = struct.pack("=I", 2), struct.pack("=qq", 0, 0)
     calls = {
@@ -656,7 +658,6 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "page": lambda: rows.drop_page("a", -1),
         "resident group 2": lambda: rows.row("a", 2),
         "resident group 5": lambda: rows.row_len("a", 5),
-        "null": lambda: rows.blocks_by_group("a", [0], -1),
         "tokens ": lambda: rows.quiet("a", -1),
         "scheduled[a]": lambda: rows.scan({"a": -1}, {"a": 0}),
         "computed has no entry": lambda: rows.scan({"a": 1}, {}),
@@ -666,9 +667,22 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "page_tokens": lambda: _core.PublishGate(-64, object()),
         "num_tokens": lambda: _core.PublishGate(64, object()).cache_blocks(object(), -1, replay_boundaries=()),
         "pages": lambda: _core.PublishGate(64, object()).mark("a", -1),
+        "pages ": lambda: book.commit_computed("a", -1),
+        "page ": lambda: book.plan("a", -1, True, False),
+        "after_forward": lambda: book.plan("a", 0, 1, False),
+        "tokens  ": lambda: book.materialize("a", 2.0),
+        "transfer id": lambda: book.update_transfers({-1: 1}, {}),
+        "count": lambda: book.update_transfers({}, {0: -1}),
+        "null": lambda: book.residency_updates(["a"], -1),
+        "publication needs its tokens": lambda: book.set_publication("a", object()),
+        "max_planned": lambda: _core.PageBook(rows, object(), fake_pool, fake_pool, [0, 1], [], 16, -1),
+        "2 resident managers": lambda: _core.PageBook(_core.BlockRows(1, 16), object(), fake_pool, fake_pool,
+                                                       [0, 1], [], 16, 8),
+        "blocks must be a list": lambda: _core.PageBook(rows, object(), types.SimpleNamespace(blocks=()),
+                                                          fake_pool, [0, 1], [], 16, 8),
     }
-    before = rows.row("a", 0), rows.row_len("a", None), len(policy)
+    before = rows.row("a", 0), rows.row_len("a", None), len(policy), book.pages("a")
     for name, call in calls.items():
         with pytest.raises(InvalidArgumentError, match=re.escape(name.strip())):
             call()
-    assert (rows.row("a", 0), rows.row_len("a", None), len(policy)) == before
+    assert (rows.row("a", 0), rows.row_len("a", None), len(policy), book.pages("a")) == before

@@ -408,7 +408,8 @@ def test_short_turns_restored_whole_through_preemptions_and_aborts(monkeypatch):
     assert stats.preemptions > 0 and stats.aborted == len(aborts), (stats.preemptions, stats.aborted)
     assert coordinator.counters["restored_whole"] > len(aborts) and coordinator.counters["pages_restored"] > 0
     assert stats.rows_from_host == 0
-    assert not coordinator.request_states and not coordinator.pending_spills
+    book = H.lifecycle(coordinator)
+    assert not book["requests"] and not book["transfers"]
     assert not coordinator.restores.requests and not coordinator.restores._unrestored
     _assert_all_freed(setup, worker)
 
@@ -444,7 +445,7 @@ def test_a_request_counted_short_never_takes_a_hot_region(monkeypatch, longest, 
     assert coordinator.counters["transitions"] == 0
     assert (held == []) == short, held[:3]
     assert setup.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1
-    assert not worker.reqs and not coordinator.request_states
+    assert not worker.reqs and not H.lifecycle(coordinator)["requests"]
 
 
 @pytest.mark.parametrize("mode", ["native", "fifo"])

@@ -74,8 +74,9 @@ def check_everything_returned(setup) -> None:
     assert pool.get_num_free_blocks() == setup.kv_cache_config.num_blocks - 1, "GPU blocks were not returned"
     host_pool = coord.host_manager.block_pool
     assert host_pool.get_num_free_blocks() == host_pool.num_gpu_blocks - 1, "host blocks were not returned"
-    assert not coord.pending_spills, "transfers still tracked"
-    assert not coord.request_states, f"coordinator still tracks {list(coord.request_states)}"
+    book = H.lifecycle(coord)
+    assert not book["transfers"], "transfers still tracked"
+    assert not book["requests"], f"coordinator still tracks {list(book['requests'])}"
     assert not sched.connector.connector_scheduler.requests, "connector still tracks requests"
     assert len(getattr(coord, "order", ())) == 0, "pool policy still tracks requests"  # coldest's
     assert not coord._reads_host
@@ -364,7 +365,7 @@ def test_prefix_hit_on_pages_a_running_request_released():
     def on_step(step):
         check_no_block_held_twice(setup)
         if step == 40:
-            released_at_b.extend(len(st.unpinned_pages) for st in coord.request_states.values())
+            released_at_b.extend(len(st["released"]) for st in H.lifecycle(coord)["requests"].values())
 
     stats = H.run(setup, worker, jobs, on_step=on_step)
     assert sum(released_at_b) > 0, "A* had released nothing when B arrived"

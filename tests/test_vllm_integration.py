@@ -159,9 +159,10 @@ def _run_recording(setup, jobs, num_spec_tokens: int = 0) -> tuple[H.Stats, list
         stale = [rid for rid in getattr(coord, "_reads_host", ())
                  if not HiSparseCoordinator._can_read_from_host(coord, rid)]
         assert not stale, f"step {step}: {stale} no longer read from the host"
-        kept.append((len(host_cache), len(coord.copies), sorted(
-            (rid, st.publication is not None, st.copies_recorded_blocks, st.ready_prefix_pages)
-            for rid, st in coord.request_states.items())))
+        book = H.lifecycle(coord)
+        kept.append((len(host_cache), len(book["copies"]), sorted(
+            (rid, st["publication"] is not None, st["copies_recorded"], st["ready_prefix"])
+            for rid, st in book["requests"].items())))
 
     stats = H.run(setup, worker, jobs, num_spec_tokens=num_spec_tokens, on_step=on_step)
     return stats, [stats.trace, kept]
@@ -181,9 +182,11 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
 
 
 def _with_vllms_scans(setup) -> None:
-    """Our connector, with vLLM's own per-step scans and per-page steps in place of ``Bookkeeping``'s (the
-    residency updates, a page's host copy planned, released and indexed, the transfers reported): the reference
-    the cheaper bookkeeping must equal."""
+    """Our connector doing all of vLLM's per-step work: vLLM's connector (``build_connector_meta``: vLLM's row
+    mirrors and residency scan over every scheduled request, each request's residency work every step), every
+    request published every step down vLLM's whole path, and vLLM's test of a hot region asked every time:
+    the reference the work our connector skips must equal. (The book under it is vLLM's own lifecycle, which
+    the parity test above checks against vLLM's coordinator step by step.)"""
     import types
 
     from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector as Native
@@ -191,12 +194,18 @@ def _with_vllms_scans(setup) -> None:
 
     connector = setup.scheduler.connector
     connector.build_connector_meta = types.MethodType(Native.build_connector_meta, connector)
-    del connector.coordinator.host_manager.cache_blocks  # vLLM's class method again: every step published
-    for name in ("_can_read_from_host", "publish_when_ready", "all_context_pages_resident", "take_residency_updates",
-                 "plan_prefix_materialization", "_plan_page_transfer", "_record_copy", "_resident_page_blocks",
-                 "_unpin_page", "update_spills"):
-        setattr(connector.coordinator, name, types.MethodType(getattr(HiSparseCoordinator, name),
-                                                              connector.coordinator))
+    coord = connector.coordinator
+    del coord.host_manager.cache_blocks  # vLLM's class method again: every step published
+    coord._publishes_nothing = lambda *_: False
+    coord._can_read_from_host = types.MethodType(HiSparseCoordinator._can_read_from_host, coord)
+    # vLLM's scan, with none of its remembered answers: every request's rows read every step.
+    scan = HiSparseCoordinator.all_context_pages_resident
+
+    def all_context_pages_resident(requests):
+        coord._resident_requests = set()
+        return scan(coord, requests)
+
+    coord.all_context_pages_resident = all_context_pages_resident
 
 
 @pytest.mark.parametrize("policy,async_scheduling,mtp,prefix_caching,gpu_gib,chunk",
@@ -316,31 +325,30 @@ def test_coldest_orders_vllms_free_queue_by_heat():
         free(rid)
 
     coord.report_heat, coord.free = record, forget
-    released: list[int] = []
     tiered = []
-    unpin_page, unpin_clean = coord._unpin_page, coord._unpin_clean_pages
+    unpin_clean = coord._unpin_clean_pages
 
-    def unpin_one(rid, state, page):
-        done = unpin_page(rid, state, page)
-        if done:
-            released.append(page)
-        return done
+    def unpin_together(rid):
+        before = set(coord.book.pages(rid)["released"])
+        unpin_clean(rid)
+        released = [page for page in coord.book.pages(rid)["released"] if page not in before]
+        if rid not in ranks or len(released) < 2:
+            return
+        # The order they were released in is the order their blocks entered vLLM's free queue, in every group.
+        position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
+        queues = [[position.get(manager.get_resident_page(rid, page).block_id) for page in released]
+                  for manager in coord.resident_managers]
+        queued = [page for page, at in sorted(zip(released, queues[0], strict=True),
+                                              key=lambda p: (p[1] is None, p[1])) if at is not None]
+        order = [ranks[rid].get(page, (1, page)) for page in queued]
+        assert order == sorted(order), f"{rid} released {queued} out of its heat order"
+        for queue in queues:
+            at = [position for position in queue if position is not None]
+            assert sorted(at) == [queue[released.index(page)] for page in queued], f"{rid}: groups queued apart"
+        if len({tier for tier, _ in order}) > 1:
+            tiered.append(rid)
 
-    def unpin_together(rid, state):
-        released.clear()
-        unpin_clean(rid, state)
-        if rid in ranks and len(released) > 1:
-            order = [ranks[rid].get(page, (1, page)) for page in released]
-            assert order == sorted(order), f"{rid} released {released} out of its heat order"
-            if len({tier for tier, _ in order}) > 1:
-                tiered.append(rid)
-                position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
-                for manager in coord.resident_managers:
-                    queued = [position[b.block_id] for page in released
-                              if (b := manager.get_resident_page(rid, page)) is not None and b.block_id in position]
-                    assert queued == sorted(queued), f"{rid}: released pages queued out of release order"
-
-    coord._unpin_page, coord._unpin_clean_pages = unpin_one, unpin_together
+    coord._unpin_clean_pages = unpin_together
     H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)])
     assert coord.counters["heat_summaries"] > 0
     assert tiered, "no request released pages of more than one heat tier together"

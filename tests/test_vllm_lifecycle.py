@@ -2,15 +2,13 @@
 HiSparse and of ours (``fifo`` and ``coldest``), under pressure, preemptions, prefix hits, host imports beside
 vLLM's offloading connector, aborted turns and short requests restored whole.
 
-vLLM's coordinator keeps each request's pages in sets (``_HiSparseRequestState``): a page is *dirty* (on the GPU
-only), *copying* (``pending_pages``: a transfer in flight), *clean* (``valid_pages``: its host copy complete),
-and then either *pinned* (``pinned_clean``: the request still holds its blocks) or *released*
-(``unpinned_pages``: the pool may hand its blocks out, and until it does the request still reads them, each
-block naming it among its ``_owners``). Beside them: the transfers in flight (``pending_spills``), the GPU
-copies of published host pages (``copies``, and ``_copy_by_block`` back), and what the worker was sent
-(``synced_pages``, ``stale_pages``). These are the facts the Rust core is to own once vLLM's page lifecycle
-moves into it; this test pins down, on vLLM's own runs, the invariants the core is to check, and holds ours
-(which runs vLLM's lifecycle with cheaper scans) to the same:
+vLLM's coordinator keeps each request's pages in sets (``_HiSparseRequestState``); ours keeps them in the Rust
+core (``PageBook``, ``rust/core/src/page_book.rs``), read here through ``vllm_harness.lifecycle`` in one shape
+for both. A page is *dirty* (on the GPU only), *copying* (a transfer in flight), *clean* (its host copy
+complete), and then either *pinned* (the request still holds its blocks) or *released* (the pool may hand its
+blocks out, and until it does the request still reads them, each block naming it among its owners). Beside
+them: the transfers in flight, the GPU copies of published host pages (and the index back from their blocks),
+and what the worker was sent (``synced``, ``stale``). The invariants, checked on vLLM's own runs and on ours:
 
 - a pinned or released page is clean; no page is both; a released page has no transfer in flight;
 - the durable prefix (``ready_prefix_pages``) is clean;
@@ -40,20 +38,23 @@ def lifecycle_violations(coord) -> list[str]:
     now, named with the request and page; empty when it holds them all."""
     bad: list[str] = []
     managers, hot = coord.resident_managers, coord.hot_managers
-    live, owners, transfers = coord.request_states, coord._owners, coord.pending_spills
+    book = H.lifecycle(coord)
+    live, owners, transfers = book["requests"], book["owners"], {t[0]: t for t in book["transfers"]}
+    copies, copy_keys, gpu_blocks = book["copies"], book["copy_keys"], coord.gpu_pool.blocks
     rows_of = {rid: [manager.get_residency_row(rid) for manager in managers] for rid in live}
     for rid, st in live.items():
-        valid, pinned, released, pending = st.valid_pages, st.pinned_clean, st.unpinned_pages, st.pending_pages
+        valid, pinned, released = set(st["valid"]), set(st["pinned_clean"]), set(st["released"])
+        pending, stale, synced = st["copying"], st["stale"], st["synced"]
         rows = rows_of[rid]
         if not pinned | released <= valid:
             bad.append(f"{rid}: pinned or released pages not clean: {sorted((pinned | released) - valid)}")
         if pinned & released or released & pending.keys():
             bad.append(f"{rid}: pages pinned and released, or released in flight: "
                        f"{sorted(pinned & released)} {sorted(released & pending.keys())}")
-        if not set(range(st.ready_prefix_pages)) <= valid:
-            bad.append(f"{rid}: durable prefix of {st.ready_prefix_pages} pages not clean")
-        if any(page >= st.synced_pages for page in st.stale_pages) or (rows and st.synced_pages > len(rows[0])):
-            bad.append(f"{rid}: stale {sorted(st.stale_pages)} or synced {st.synced_pages} past what was sent")
+        if not set(range(st["ready_prefix"])) <= valid:
+            bad.append(f"{rid}: durable prefix of {st['ready_prefix']} pages not clean")
+        if any(page >= synced for page in stale) or (rows and synced > len(rows[0])):
+            bad.append(f"{rid}: stale {stale} or synced {synced} past what was sent")
         for page in released:
             for group, row in enumerate(rows):
                 block = row[page] if page < len(row) else None
@@ -61,7 +62,7 @@ def lifecycle_violations(coord) -> list[str]:
                     bad.append(f"{rid}: released page {page} is not among group {group}'s block's owners")
         for page, transfer_id in pending.items():
             transfer = transfers.get(transfer_id)
-            if transfer is None or transfer.page != (rid, page) or transfer.request_state is not st:
+            if transfer is None or transfer[1:3] != (rid, page) or not transfer[6]:
                 bad.append(f"{rid}: page {page} in flight names transfer {transfer_id}, which is not its")
         if hot and all(manager.has_hot(rid) for manager in hot) and any(
                 rid not in manager.hot_required for manager in hot):
@@ -69,23 +70,22 @@ def lifecycle_violations(coord) -> list[str]:
     for block_id, pairs in owners.items():
         for rid, page in pairs:
             st = live.get(rid)
-            if st is None or page not in st.unpinned_pages:
+            if st is None or page not in st["released"]:
                 bad.append(f"block {block_id}: owner {rid} page {page} is not a released page of a live request")
             elif all(page >= len(row) or row[page].block_id != block_id for row in rows_of[rid]):
                 bad.append(f"block {block_id}: owner {rid} page {page} does not hold it")
-    for host_hash, blocks in coord.copies.items():
-        if any(coord._copy_by_block.get(block.block_id) != host_hash for block in blocks):
+    for host_hash, blocks in copies.items():
+        if any(copy_keys.get(block) != host_hash for block in blocks):
             bad.append(f"copy {host_hash!r}: its blocks do not name it")
-    for block_id, host_hash in coord._copy_by_block.items():
-        if all(block.block_id != block_id for block in coord.copies.get(host_hash, ())):
+    for block_id, host_hash in copy_keys.items():
+        if block_id not in copies.get(host_hash, ()):
             bad.append(f"block {block_id} names a copy that does not hold it")
-    for transfer_id, transfer in transfers.items():
-        rid, page = transfer.page
-        if live.get(rid) is not transfer.request_state:
+    for transfer_id, rid, page, _, resident, pins_released, of_live, _ in transfers.values():
+        if not of_live:
             continue  # a freed request's: it only gives back its pins when it completes
-        if transfer.request_state.pending_pages.get(page) != transfer_id:
+        if live[rid]["copying"].get(page) != transfer_id:
             bad.append(f"transfer {transfer_id} of {rid} page {page}: the page does not name it")
-        if not transfer.enqueue_applied and any(block.ref_cnt < 2 for block in transfer.resident_blocks):
+        if not pins_released and any(gpu_blocks[block].ref_cnt < 2 for block in resident):
             bad.append(f"transfer {transfer_id} of {rid} page {page}: its GPU blocks are not held beside the page")
     return bad
 
@@ -109,14 +109,15 @@ def _run_checked(setup, worker, jobs, **run) -> tuple:
     def on_step(step: int) -> None:
         bad = lifecycle_violations(coord)
         assert not bad, f"step {step}: " + "; ".join(bad[:5])
-        states = coord.request_states.values()
-        seen["released"] += any(st.unpinned_pages for st in states)
-        seen["pinned"] += any(st.pinned_clean for st in states)
-        seen["in flight"] += bool(coord.pending_spills)
-        seen["lost"] += any(block.is_null for rid in coord.request_states
+        book = H.lifecycle(coord)
+        states = book["requests"].values()
+        seen["released"] += any(st["released"] for st in states)
+        seen["pinned"] += any(st["pinned_clean"] for st in states)
+        seen["in flight"] += bool(book["transfers"])
+        seen["lost"] += any(block.is_null for rid in book["requests"]
                             for block in coord.resident_managers[0].get_residency_row(rid))
-        seen["owned"] += any(coord._owners.values())
-        seen["copies"] += bool(coord.copies)
+        seen["owned"] += any(book["owners"].values())
+        seen["copies"] += bool(book["copies"])
 
     return H.run(setup, worker, jobs, on_step=on_step, **run), seen
 

@@ -146,15 +146,6 @@ def test_block_rows_mirror_what_vllms_scan_mirrors():
     for group in (0, 1, None):
         rows.clear(new, group)
     assert rows.row("a", 0) == [10, 11, 12] and rows.row_len("a", 0) == 3 and rows.row_len("nobody", None) == 0
-    # A page's blocks in every group by group, as a residency update sends them (the pool's null block where a
-    # group reads the page from the host, or has no block for it); a page's blocks as the pool's objects.
-    rows.set_page("a", 1, 0, None)
-    assert rows.blocks_by_group("a", [2, 0, 5], 0) == ([12, 10, 0], [22, 0, 0])
-    assert rows.blocks_by_group("nobody", [0], 7) == ([7], [7]) and rows.blocks_by_group("a", [], 0) == ([], [])
-    blocks = [f"block {i}" for i in range(23)]  # stands for vLLM's pool's blocks, by id
-    assert rows.page_blocks("a", 2, blocks) == ["block 12", "block 22"]
-    assert rows.page_blocks("a", 0, blocks) is None and rows.page_blocks("a", 5, blocks) is None
-    rows.set_page("a", 1, 0, 20)
     for bad in (lambda: rows.set_page("a", 0, 3, 1), lambda: rows.set_page("nobody", None, 0, 1),
                 lambda: rows.set("a", 2, []), lambda: rows.extend("a", 0, [2**32 - 1])):
         with pytest.raises(hisparse_errors.InvalidArgumentError):

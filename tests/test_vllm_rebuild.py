@@ -54,8 +54,7 @@ def _expected_output(job) -> list[int]:
 
 def _detached(coord) -> bool:
     """Whether a finished request's prefix waits on its copies (vLLM's detached publication)."""
-    return any(p.request_state.publication is not None and p.request_state.publication.detached_blocks is not None
-               for p in coord.pending_spills.values())
+    return any(detached for *_, detached in H.lifecycle(coord)["transfers"])
 
 
 def _serve_and_rebuild(mode: str, policy: str = "coldest", *, detached: bool = False) -> dict:
@@ -107,10 +106,10 @@ def _serve_and_rebuild(mode: str, policy: str = "coldest", *, detached: bool = F
             check_no_block_held_twice(setup)
         # Under pressure (requests reading from the host, two running, one waiting), copies in flight.
         if "step" in figures or not worker.stats.rows_from_host or len(sched.running) < 2 or not sched.waiting \
-                or not coord.pending_spills or not worker.in_flight() or detached and not _detached(coord):
+                or not H.lifecycle(coord)["transfers"] or not worker.in_flight() or detached and not _detached(coord):
             return
         figures.update(step=step, running=len(sched.running), waiting=len(sched.waiting),
-                       pending=len(coord.pending_spills), detached=_detached(coord),
+                       pending=len(H.lifecycle(coord)["transfers"]), detached=_detached(coord),
                        rows_before=worker.stats.rows_checked, host_rows_before=worker.stats.rows_from_host,
                        preempted=[r.request_id for r in sched.running])
         dead = worker.rebuild()
@@ -191,11 +190,12 @@ def test_a_reset_that_cannot_succeed_changes_nothing():
     tried = []
 
     def snapshot():
-        return (sorted(coord.pending_spills), sorted(coord.request_states), sched.kv_cache_manager.block_pool
+        book = H.lifecycle(coord)
+        return (book["transfers"], sorted(book["requests"]), sched.kv_cache_manager.block_pool
                 .get_num_free_blocks(), coord.host_manager.block_pool.get_num_free_blocks(), len(sched.running))
 
     def on_step(step):
-        if tried or not coord.pending_spills or not sched.running:
+        if tried or not H.lifecycle(coord)["transfers"] or not sched.running:
             return
         before = snapshot()
         tried.append((sched.reset_prefix_cache(reset_connector=True), sched.connector.reset_cache()))

@@ -1276,6 +1276,35 @@ def hisparse_coordinators(sched) -> list:
     return [c for c in found if hasattr(c, "check_rows")]
 
 
+def lifecycle(coord) -> dict:
+    """The page lifecycle of a HiSparse coordinator, ours (``Bookkeeping.lifecycle``: the core's book) or
+    vLLM's (read from its Python state into the same shape): ``requests`` (request -> ``valid``,
+    ``ready_prefix``, ``copying`` {page: transfer}, ``pinned_clean``, ``released``, ``stale``, ``synced``,
+    ``to_adopt``, ``copies_recorded``, ``publication`` (computed tokens, pages) or None), ``transfers``
+    (``(id, request, page, host block, resident blocks, pins released, live, detached)``, by id: live, of
+    the request's live state; detached, a finished request's prefix waiting on it), ``owners`` (released
+    block -> ``(request, page)`` pairs), ``copies`` (host block key -> GPU blocks) and ``copy_keys`` (GPU
+    block -> the key of the copy it holds)."""
+    if hasattr(coord, "lifecycle"):
+        return coord.lifecycle()
+    requests = {
+        rid: {"valid": sorted(st.valid_pages), "ready_prefix": st.ready_prefix_pages,
+              "copying": dict(st.pending_pages), "pinned_clean": sorted(st.pinned_clean),
+              "released": sorted(st.unpinned_pages), "stale": sorted(st.stale_pages), "synced": st.synced_pages,
+              "to_adopt": st.pages_to_adopt, "copies_recorded": st.copies_recorded_blocks,
+              "publication": None if st.publication is None else (st.publication.num_computed_tokens,
+                                                                    st.publication.num_pages)}
+        for rid, st in coord.request_states.items()}
+    transfers = [(tid, p.page[0], p.page[1], p.host_block.block_id, tuple(b.block_id for b in p.resident_blocks),
+                  p.enqueue_applied, coord.request_states.get(p.page[0]) is p.request_state,
+                  p.request_state.publication is not None and p.request_state.publication.detached_blocks is not None)
+                 for tid, p in sorted(coord.pending_spills.items())]
+    owners = {block: sorted(o) for block, o in coord._owners.items() if o}
+    copies = {h: tuple(b.block_id for b in blocks) for h, blocks in coord.copies.items()}
+    return {"requests": requests, "transfers": transfers, "owners": owners, "copies": copies,
+            "copy_keys": dict(coord._copy_by_block)}
+
+
 def schedule(sched):
     """``Scheduler.schedule()``: anything it raises would kill vLLM's engine core, so it fails the test."""
     try:

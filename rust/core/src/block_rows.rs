@@ -377,6 +377,19 @@ impl BlockRows {
         Ok(self.requests.get(request).map_or(0, |rows| rows.lens[k]))
     }
 
+    /// A row's block of `page` ([`HOST_ONLY`] for a page read from the host); `None` past the row.
+    pub fn block(&self, request: &str, row: Row, page: usize) -> Option<u32> {
+        let k = self.index(row).ok()?;
+        self.requests.get(request)?.get(k, page)
+    }
+
+    /// The page's block in every resident group, or `None` when a group reads it from the host or does not
+    /// have it.
+    pub fn resident_blocks(&self, request: &str, page: usize) -> Option<Vec<u32>> {
+        let rows = self.requests.get(request)?;
+        (0..self.groups).map(|g| rows.get(g, page).filter(|&id| id != HOST_ONLY)).collect()
+    }
+
     /// Every resident group's block of each page, page by page (`pages.len() x groups` ids, [`HOST_ONLY`]
     /// for a page a group reads from the host or does not have).
     pub fn blocks_at(&self, request: &str, pages: &[usize]) -> Vec<u32> {

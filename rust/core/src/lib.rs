@@ -7,6 +7,8 @@
 //! - [`manager`]: admission, the per-step plan, pressure policy, proactive copies, prefix reuse.
 //! - [`pool_policy`]: release and reuse order over a block pool another engine owns (vLLM).
 //! - [`block_rows`]: that engine's per-request block rows, recorded as it changes them, and its per-step scans.
+//! - [`page_book`]: that engine's page lifecycle (copies to the host, clean, released and lost pages, the GPU
+//!   copies a prefix hit adopts), its effects asked of the engine.
 //! - [`slab`]: values found by name, or through a handle kept from one step to the next.
 //! - [`heat`]: selection heat, summarized and decayed on the worker, ranked by the pressure policy.
 //! - [`lru_stamps`]: the hot region's LRU as stamps (the rules `reference` follows), proven against the
@@ -26,6 +28,7 @@ mod index_list;
 pub mod lru_stamps;
 pub mod manager;
 pub mod page;
+pub mod page_book;
 pub mod page_set;
 pub mod plan;
 pub mod pool_policy;

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
-use crate::args::{int, int_named, ints, opt_int, opt_ints};
+use crate::args::{int, int_named, opt_int, opt_ints};
 use crate::errors::{invalid, PyResultExt};
 
 /// A row's block ids as Python gives them: ``None`` for a page read from the host.
@@ -75,6 +75,15 @@ pub struct BlockRows {
 impl BlockRows {
     fn with<R>(&self, f: impl FnOnce(&mut CoreBlockRows) -> R) -> R {
         f(&mut crate::locked(&self.inner))
+    }
+
+    /// The rows, for the page book, which changes them in its calls (``page_book.rs``).
+    pub(crate) fn inner(&self) -> &Mutex<CoreBlockRows> {
+        &self.inner
+    }
+
+    pub(crate) fn resident_groups(&self) -> usize {
+        self.with(|r| r.groups())
     }
 }
 
@@ -191,42 +200,6 @@ impl BlockRows {
     fn row_len(&self, request: &str, group: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
         let row = row(group)?;
         self.with(|r| r.row_len(request, row)).py()
-    }
-
-    /// The page's block in every resident group as ``blocks[id]`` (vLLM's pool's blocks, by id), or ``None``
-    /// when a group reads the page from the host or has no block for it.
-    fn page_blocks<'py>(
-        &self,
-        py: Python<'py>,
-        request: &str,
-        page: &Bound<'py, PyAny>,
-        blocks: &Bound<'py, PyList>,
-    ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let page = int(page, "page")?;
-        let ids = self.with(|r| r.blocks_at(request, &[page]));
-        if ids.contains(&HOST_ONLY) {
-            return Ok(None);
-        }
-        let found = ids.iter().map(|&id| blocks.get_item(id as usize)).collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, found).map(Some)
-    }
-
-    /// Every resident group's blocks of ``pages``, a list a group in ``pages``' order, ``null`` where the group
-    /// reads the page from the host or has no block for it: the block ids of a residency update (vLLM's
-    /// ``SparseKVResidencyUpdate``), whose groups share one pool and so one null block.
-    fn blocks_by_group<'py>(
-        &self,
-        py: Python<'py>,
-        request: &str,
-        pages: &Bound<'py, PyAny>,
-        null: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyTuple>> {
-        let (pages, null) = (ints::<usize>(pages, "pages")?, int::<u32>(null, "null")?);
-        let (ids, groups) = self.with(|r| (r.blocks_at(request, &pages), r.groups()));
-        let filled =
-            |g: usize| ids.iter().skip(g).step_by(groups).map(|&id| if id == HOST_ONLY { null } else { id });
-        let lists = (0..groups).map(|g| PyList::new(py, filled(g))).collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists)
     }
 
     /// ``request`` needs no bookkeeping in a step ending below ``tokens`` until one of its rows changes or it

@@ -8,6 +8,7 @@ mod args;
 mod block_rows;
 mod errors;
 mod manager;
+mod page_book;
 mod plan;
 mod pool_policy;
 mod publish_gate;
@@ -73,6 +74,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::Admission>()?;
     m.add_class::<pool_policy::PoolPolicy>()?;
     m.add_class::<block_rows::BlockRows>()?;
+    m.add_class::<page_book::PageBook>()?;
     m.add_class::<publish_gate::PublishGate>()?;
     m.add_function(wrap_pyfunction!(block_rows::unpack_row_mirrors, m)?)?;
     m.add_class::<reference::ApplyBuffers>()?;

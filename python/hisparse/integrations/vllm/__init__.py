@@ -26,8 +26,8 @@ backends resolve top-K through the hot buffer. A second allocator over the same 
 groups share block memory, so two owners of one id corrupt KV (what the previous adapter did). So vLLM's pool
 stays the one owner of every block id, and we replace only the *policy* and the cost of vLLM's bookkeeping.
 The scheduler-side ``HiSparseCoordinator`` (built in ``HiSparseConnector.bind_kv_cache_manager``) becomes
-:class:`~hisparse.integrations.vllm.bookkeeping.Bookkeeping` (``policy: fifo``: vLLM's decisions, its
-per-step scans run by the Rust core over its record of vLLM's block rows, ``BlockRows``), or under
+:class:`~hisparse.integrations.vllm.bookkeeping.Bookkeeping` (``policy: fifo``: vLLM's decisions, its state
+kept in the Rust core: vLLM's block rows, ``BlockRows``, and its page lifecycle, ``PageBook``), or under
 ``coldest`` its subclass :class:`~hisparse.integrations.vllm.coordinator.HisparseCoordinator`, which decides
 
 - which pages a request releases and in what order (= the pool's reuse order: vLLM's free queue is FIFO),

@@ -1,27 +1,34 @@
-"""vLLM 0.33's ``HiSparseCoordinator`` with its per-step scans run over the core's record of vLLM's block rows.
+"""vLLM 0.33's ``HiSparseCoordinator`` with its state kept in the Rust core: vLLM's block rows and its page
+lifecycle.
 
 Every decision here is vLLM's: this is ``policy: fifo``, and the base of ``coldest``'s coordinator
-(``coordinator.py``), which changes decisions only. What changes is the cost of vLLM's bookkeeping. vLLM's
-connector rescans every scheduled request's rows in Python every step (``build_row_mirrors``,
-``all_context_pages_resident``) and walks every request's publication state after every step
-(``publish_when_ready``); here:
+(``coordinator.py``), which changes decisions only. What changes is where vLLM's bookkeeping lives and what
+it costs. vLLM's coordinator keeps its pages' states in Python sets per request, its transfers in flight, the
+GPU blocks released pages are still read from and the GPU copies of published host pages in Python dicts,
+rescans every scheduled request's rows every step (``build_row_mirrors``, ``all_context_pages_resident``),
+and walks each page's blocks group by group (six groups on DeepSeek-V3.2). Here:
 
-- the rows live in the Rust core too (``BlockRows``, ``rust/core/src/block_rows.rs``): vLLM's managers
-  remain the one allocator of block ids, and the core records each row as they change it (``_RowRecorder``:
-  new blocks after each allocation, a whole row after an admission or an import, one page when it is
-  adopted or copied on write, a lost page in every group at once, nothing once freed), so the scans run in
-  Rust over integers, for the whole batch in one call;
-- the scans that read vLLM's per-request state skip requests whose step changes nothing: the core keeps
-  a request found to need none of them until it seals a page quiet (``settle``) until one of its rows
-  changes or an event wakes it, and sorts each step's batch in the call that mirrors it (``scan``), so a
-  decode within its last page is not read in Python at all; ``publish_when_ready`` remembers a request
+- the rows live in the core (``BlockRows``, ``rust/core/src/block_rows.rs``): vLLM's managers remain the one
+  allocator of block ids, and the core records each row as they change it (``_RowRecorder``: new blocks
+  after each allocation, a whole row after an admission or an import, a copied-on-write host page; the
+  book records the pages it drops and adopts itself), so the scans run in Rust over integers, for the whole
+  batch in one call;
+- the page lifecycle lives in the core too (``PageBook``, ``rust/core/src/page_book.rs``): pages being
+  copied, clean, held, released and lost, the transfers in flight, the owners of released blocks and the
+  index of GPU copies, with vLLM's transitions run there in vLLM's order, and every effect on vLLM's objects
+  (its pools, its managers' rows, its host prefix cache) made as vLLM makes it, through the ``_engine_*``
+  methods below or the pools directly;
+- the per-step work skips requests whose step changes nothing: the core keeps a request found to need none
+  of it until it seals a page quiet (``settle``) until one of its rows changes or an event wakes it, and
+  sorts each step's batch in the call that mirrors it (``scan``); ``publish_when_ready`` remembers a request
   steady within its page;
 - the row mirrors go to the workers packed (``mirrors.RowMirrors``): no Python object per request is made or
   pickled on the scheduler's side.
 
-``tests/test_vllm_integration.py`` runs the same traces with vLLM's scans and compares every scheduler decision
-and metadata field step by step; ``check_rows`` (run after every step by the test harness) compares every
-recorded row with vLLM's.
+``tests/test_vllm_integration.py`` runs the same traces with vLLM's own coordinator and compares every
+scheduler decision and metadata field step by step; ``check_rows`` (run after every step by the test harness)
+compares every recorded row with vLLM's, and ``tests/test_vllm_lifecycle.py`` checks the page lifecycle's
+invariants on both (``lifecycle``).
 
 Not policy either, and here for both policies: ``forget_worker_state`` lets
 ``Scheduler.reset_prefix_cache(reset_running_requests=True, ...)`` succeed with transfers in flight, vLLM's
@@ -32,18 +39,18 @@ reports them, so the reset raises).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.hisparse.coordinator import HiSparseCoordinator, _PendingPublication, _PendingSpill
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator, _PendingPublication
 from vllm.v1.hisparse.types import (
-    ACTIVE_TAIL_PAGES,
+    SparseKVOffloadCommand,
     SparseKVPageTransfer,
     SparseKVResidencyUpdate,
     SparseKVRowMirror,
 )
 
-from ..._core import BlockRows, PublishGate
+from ..._core import BlockRows, PageBook, PublishGate
 from ...errors import ConfigError, InvalidArgumentError, InvariantError
 from .mirrors import RowMirrors
 
@@ -64,23 +71,14 @@ def vllm_row(manager: Any, group: int | None, request_id: str) -> list:
     return manager.get_residency_row(request_id)
 
 
-def _pins_past_tail(state: Any, pages: int) -> bool:
-    """Whether the request (of ``pages`` resident pages) holds a clean page pinned outside its tail: work for
-    ``update_residency``, which releases one only once it leaves the tail (``_resident_page_blocks``); a
-    pinned page in the tail, the usual case, is none. The intersection looks up the tail's pages in the set,
-    rather than iterating the set, whose table keeps the size it had when the request last held many."""
-    pinned = state.pinned_clean
-    return len(pinned) > len(pinned.intersection(range(max(0, pages - ACTIVE_TAIL_PAGES), pages)))
-
-
 class _RowRecorder:
     """Keeps ``BlockRows`` equal to vLLM's rows by wrapping, on vLLM's manager objects, the methods that change
-    a row in place (rare: admissions, imports, adoptions, copy-on-write, frees). Rows grow every ``block_size``
-    tokens through the KV cache coordinator's ``allocate_new_blocks``, wrapped once for all groups
-    (``Bookkeeping.bind``). A lost page, dropped by vLLM's coordinator in every group, is recorded once for all
-    (``Bookkeeping._lose_page``); vLLM's ``free`` drops its request's pages too, unrecorded, as its rows are
-    given back next (``pop_blocks_for_free``). A record that cannot be applied (it would mean a change made
-    elsewhere) re-reads the row from vLLM, counted in ``rows_reread``."""
+    a row in place (rare: admissions, imports, copy-on-write, frees). Rows grow every ``block_size`` tokens
+    through the KV cache coordinator's ``allocate_new_blocks``, wrapped once for all groups
+    (``Bookkeeping.bind``). The pages the book drops (lost) or adopts, it records itself; vLLM's ``free``
+    drops its request's pages too, unrecorded, as its rows are given back next (``pop_blocks_for_free``). A
+    record that cannot be applied (it would mean a change made elsewhere) re-reads the row from vLLM, counted
+    in ``rows_reread``."""
 
     def __init__(self, book: Bookkeeping) -> None:
         self.book = book
@@ -117,9 +115,6 @@ class _RowRecorder:
         if group is None:
             after("_apply_cow", lambda request_id, _r, page, _source, cow: self.rows.set_page(
                 request_id, None, page, cow.block_id))
-        else:
-            after("adopt_resident_page", lambda request_id, adopted, page, block: adopted and self.rows.set_page(
-                request_id, group, page, block.block_id))
 
     def allocated(self, request_id: str, new_blocks: tuple[list, ...], group_ids: list[tuple[int, Any, int | None]]
                   ) -> None:
@@ -131,29 +126,56 @@ class _RowRecorder:
             self.reread(request_id, manager, group)
 
 
+class _InFlight(Mapping):
+    """vLLM's ``pending_spills`` as the book holds them, read-only: transfer id -> the rest of its
+    ``PageBook.transfers`` entry. vLLM's connector reads its length for its stats."""
+
+    def __init__(self, book: PageBook) -> None:
+        self._book = book
+
+    def _all(self) -> dict[int, tuple]:
+        return {t[0]: t[1:] for t in self._book.transfers()}
+
+    def __len__(self) -> int:
+        return self._book.in_flight
+
+    def __getitem__(self, transfer_id: int) -> tuple:
+        return self._all()[transfer_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all())
+
+
 class Bookkeeping(HiSparseCoordinator):
-    """``HiSparseCoordinator`` whose per-step scans run in the core or skip what did not change (module
-    docstring): exactly vLLM's decisions, at a fraction of the cost."""
+    """``HiSparseCoordinator`` whose state lives in the core (module docstring): exactly vLLM's decisions, at a
+    fraction of the cost."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if not self.resident_managers or self.host_manager is None:
+            raise ConfigError("HiSparse needs resident cache groups and a host group (a DSA model with index_topk)")
+        if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
+            # vLLM's layout has one: a page's blocks are touched, freed and released in one call.
+            raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
         self.counters: Counter[str] = Counter()
-        block_size = self.resident_managers[0].block_size if self.resident_managers else 1
-        self.rows = BlockRows(max(1, len(self.resident_managers)), block_size)
-        self._recorder = _RowRecorder(self) if self.resident_managers and self.host_manager is not None else None
-        if self._recorder is not None:
-            if any(manager.block_pool is not self.gpu_pool for manager in self.resident_managers):
-                # vLLM's layout has one: a page's blocks are touched, freed and released in one call.
-                raise ConfigError("the HiSparse resident groups do not share one GPU block pool")
-            self._gpu_blocks = self.gpu_pool.blocks  # by block id
-            self._null_block_id = self.gpu_pool.null_block.block_id
-            # Constants of publish_when_ready's test, read every step.
-            host = self.host_manager
-            self._host_block_size = host.block_size
-            self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
-            self._hash_block_size = host.block_pool.hash_block_size
+        host = self.host_manager
+        self.rows = BlockRows(len(self.resident_managers), host.block_size)
+        self.book = PageBook(self.rows, self, self.gpu_pool, host.block_pool, self.resident_managers,
+                             self.hot_managers, host.block_size, self.max_spill_pages)
+        # vLLM's state, now the book's: what vLLM's connector reads of it stays readable.
+        del self.spills_to_send, self.request_states, self.copies, self._copy_by_block, self._owners
+        del self._pending_imports, self._resident_requests
+        self.pending_spills = _InFlight(self.book)
+        # The callback of every page the book releases, which vLLM's pool calls as it hands the block out.
+        self._on_block_reused = self.book.block_reused
+        self._recorder = _RowRecorder(self)
+        self._null_block_id = self.gpu_pool.null_block.block_id
+        # Constants of publish_when_ready's test, read every step.
+        self._host_block_size = host.block_size
+        self._host_prefix_cacheable = host.kv_cache_spec.prefix_cacheable
+        self._hash_block_size = host.block_pool.hash_block_size
         # Requests whose publish_when_ready publishes nothing until another page is computed, marked with their
-        # pages in the gate vLLM's host group calls for each (``bind``); None without resident groups.
+        # pages in the gate vLLM's host group calls for each (``bind``).
         self._gate: PublishGate | None = None
         # Requests known to hold their hot regions (``_can_read_from_host``).
         self._reads_host: set[str] = set()
@@ -161,6 +183,16 @@ class Bookkeeping(HiSparseCoordinator):
         self.requests: dict = {}
         # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
         self._forgotten_below = 0
+
+    @property
+    def next_spill_id(self) -> int:
+        """The next transfer's id (vLLM's counter, kept by the book)."""
+        return self.book.next_transfer
+
+    @next_spill_id.setter
+    def next_spill_id(self, value: int) -> None:
+        if value != 0:  # vLLM's __init__ sets where the count starts; the book counts from there
+            raise AttributeError("transfer ids are counted by the page book")
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         """Hooks into the KV cache manager's coordinator: its allocations grow the recorded rows, and its pool
@@ -176,8 +208,6 @@ class Bookkeeping(HiSparseCoordinator):
             return reset_pools()
 
         pools.reset_prefix_cache = reset_prefix_cache
-        if self._recorder is None:
-            return
         by_manager = {id(manager): group for manager, group in self._recorder.groups}
         group_ids = [(kv_group, manager, by_manager[id(manager)]) for kv_group, manager
                      in enumerate(pools.single_type_managers) if id(manager) in by_manager]
@@ -200,8 +230,6 @@ class Bookkeeping(HiSparseCoordinator):
     def check_rows(self) -> None:
         """Every recorded row equals vLLM's (``InvariantError`` naming the first that does not), and no request
         vLLM has forgotten is still recorded. For tests: O(every row)."""
-        if self._recorder is None:
-            return
         held = set()
         for manager, group in self._recorder.groups:
             for request_id in manager.req_to_blocks:
@@ -218,6 +246,14 @@ class Bookkeeping(HiSparseCoordinator):
             if not self.rows.scan({request_id: 0}, {request_id: below})[2]:
                 raise InvariantError(f"request {request_id!r} is marked quiet past {below} tokens")
 
+    def lifecycle(self) -> dict:
+        """The page lifecycle as the book holds it, for checks and tests: ``requests`` (request -> its page
+        states, ``PageBook.pages``), ``transfers`` (``PageBook.transfers``), ``owners``, ``copies`` and
+        ``copy_keys`` (the copy index's inverse)."""
+        book = self.book
+        return {"requests": {r: book.pages(r) for r in book.requests()}, "transfers": book.transfers(),
+                "owners": book.owners(), "copies": book.copies(), "copy_keys": book.copy_keys()}
+
     # ------------------------------------------------------------------ vLLM's decisions (``coldest`` overrides)
 
     def admit(self, request: Any, num_computed_tokens: int, admission_tokens: int, can_wait: bool = True) -> bool:
@@ -227,7 +263,22 @@ class Bookkeeping(HiSparseCoordinator):
     def report_heat(self, report: Any) -> None:
         """vLLM's release order ignores selection heat."""
 
-    # ------------------------------------------------------------------ per-step scans, O(what changed)
+    def update_residency(self, request_id: str) -> None:
+        # vLLM's: adopt a prefix hit's GPU copies; then a request reading through its hot region releases its
+        # clean pages (tail first, so a prefix loses its tail pages before its head), and one that is not asks
+        # for a region once the pool runs low or its admission window fills.
+        self.book.adopt(request_id, True)
+        if self._can_read_from_host(request_id):
+            self._unpin_clean_pages(request_id)
+        elif (self.gpu_pool.get_num_free_blocks() < self.transition_watermark
+              or self._fills_admission_window(request_id)):
+            for manager in self.hot_managers:
+                manager.require_hot(request_id)
+
+    def _unpin_clean_pages(self, request_id: str) -> None:
+        self.book.unpin(request_id, self.book.releasable(request_id)[::-1])
+
+    # ------------------------------------------------------------------ per-step work, O(what changed)
     #
     # vLLM's connector runs every per-step scan over every scheduled request; these give the same results
     # while touching only requests whose step changes something, or run in the core
@@ -245,35 +296,39 @@ class Bookkeeping(HiSparseCoordinator):
 
     def with_residency_work(self, requests) -> list[tuple[str, int]]:
         """The ``(request, tokens computed after the step)`` pairs for which ``advance_scheduled`` does
-        anything: a sealed page without a host copy planned (``plan_prefix_materialization``'s range is not
-        empty), or a residency decision that is not a no-op (a prefix to adopt, clean pages still pinned, or
-        no hot region yet). The others are steady decodes already reading through a hot region."""
-        if not self.resident_managers:
-            return []
-        block_size = self.host_manager.block_size
-        reprefill = self.num_reprefillable_tokens
-        imports = self._pending_imports
-        states = self.request_states
-        resident = self.resident_managers[0].req_to_blocks
-        reads_host = self._reads_host
-        out = []
+        anything: a sealed page without a host copy planned, or a residency decision that is not a no-op (a
+        prefix to adopt, clean pages still pinned, or no hot region yet; ``PageBook::needs_work``). The others
+        are steady decodes already reading through a hot region."""
+        return self.book.with_work(requests, self.num_reprefillable_tokens)
+
+    def advance_scheduled(self, requests) -> None:
+        # vLLM's, with each request's copies planned in one core call.
+        book, reprefill = self.book, self.num_reprefillable_tokens
         for request_id, num_tokens in requests:
-            state = states.get(request_id)
-            if state is None:
-                out.append((request_id, num_tokens))
-                continue
-            first = state.ready_prefix_pages
-            if imports:
-                first = max(first, -(-imports.get(request_id, 0) // block_size))
-            if first < max(0, num_tokens - reprefill) // block_size or state.pages_to_adopt:
-                out.append((request_id, num_tokens))
-                continue
-            if state.pinned_clean and _pins_past_tail(state, len(resident.get(request_id, ()))):
-                out.append((request_id, num_tokens))
-                continue
-            if request_id not in reads_host and not self._can_read_from_host(request_id):
-                out.append((request_id, num_tokens))
-        return out
+            book.materialize(request_id, max(0, num_tokens - reprefill))
+            self.update_residency(request_id)
+
+    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
+        self.book.materialize(request_id, num_computed_tokens)
+
+    def _plan_page_transfer(self, request_id: str, page_idx: int, *, after_forward: bool,
+                            restore: bool = False) -> bool:
+        return self.book.plan(request_id, page_idx, after_forward, restore)
+
+    def build_offload_command(self) -> SparseKVOffloadCommand:
+        return SparseKVOffloadCommand(page_transfers=[
+            SparseKVPageTransfer(transfer_id=transfer_id, host_block_id=host, resident_block_ids=resident,
+                                 after_forward=after_forward, restore=restore)
+            for transfer_id, host, resident, after_forward, restore in self.book.take_planned()])
+
+    def has_pending_work(self) -> bool:
+        return bool(self.book.planned or self.book.in_flight or self._retained_copies)
+
+    def has_pending_reclamation(self) -> bool:
+        # vLLM's: an in-flight copy frees a host block, or GPU blocks (its page released) when it completes.
+        host_blocks, book = self.host_manager.block_pool.blocks, self.book
+        return any(host_blocks[host].ref_cnt == 1 or (book.knows(request_id) and self._can_read_from_host(request_id))
+                   for _, request_id, _, host, *_ in book.transfers())
 
     def host_pages_hold_data(self, request_id: str, num_tokens: int) -> bool:
         """Whether every host page of the request's first ``num_tokens`` holds its data already: each is a
@@ -289,24 +344,13 @@ class Bookkeeping(HiSparseCoordinator):
         steps that seal no new page: it reads through its hot region, and has no prefix to adopt, no import
         pending, no residency change the worker lacks, and no clean page pinned outside its tail. A change of
         its rows wakes it in the core; so do the events that change this state otherwise (pages made clean or
-        lost, admissions, imports: ``_page_became_clean``, ``_lose_page``...). ``check_rows`` checks the marks."""
-        for request_id in request_ids:
-            below = self._quiet_below(request_id)
-            if below:
-                self.rows.quiet(request_id, below)
+        lost, admissions, imports). ``check_rows`` checks the marks."""
+        self.book.settle(request_ids, self._reads_host, self.num_reprefillable_tokens)
 
     def _quiet_below(self, request_id: str) -> int:
         """The step end (tokens) below which ``request_id`` needs no per-request bookkeeping as it stands; 0 when
-        its next step may need some whatever its end."""
-        state = self.request_states.get(request_id)
-        if (state is None or request_id not in self._reads_host or state.pages_to_adopt or state.stale_pages
-                or request_id in self._pending_imports):
-            return 0
-        pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
-        if state.synced_pages < pages or (state.pinned_clean and _pins_past_tail(state, pages)):
-            return 0
-        # with_residency_work's first test: no page past the ready prefix is sealed.
-        return (state.ready_prefix_pages + 1) * self.host_manager.block_size + self.num_reprefillable_tokens
+        its next step may need some."""
+        return self.book.quiet_below(request_id, request_id in self._reads_host, self.num_reprefillable_tokens)
 
     def scan(self, scheduled: dict[str, int], computed: dict[str, int], lookahead: int = 0,
              back: dict[str, int] | None = None) -> tuple[Mapping[str, tuple[SparseKVRowMirror, ...]], bool, list[str]]:
@@ -317,184 +361,85 @@ class Bookkeeping(HiSparseCoordinator):
         (``coordinator.py:676``: every one has the blocks of its context and reads only resident pages); and
         those that may have per-request bookkeeping to do this step, in their order: all but those
         :meth:`settle` found quiet below the step's end, whose rows have not changed since."""
-        if self._recorder is None:
-            return {request_id: () for request_id in scheduled}, False, list(scheduled)
         packed, resident, busy = self.rows.scan(scheduled, computed, lookahead, back)
         return RowMirrors(*packed, len(self.resident_managers)), resident, busy
-
-    # ------------------------------------------------------------------ a page's blocks, from the core's rows
-    #
-    # vLLM's steps in a page's life (planning its host copy, releasing it, indexing its GPU copy for prefix
-    # hits) look the page up in each resident group's row, one call a group (six for DeepSeek-V3.2), and touch
-    # or release its blocks one group at a time; the page's blocks sit side by side in the core's rows, and
-    # the groups share one pool (checked in ``__init__``): one lookup, and one pool call where vLLM makes one
-    # a group with the same effect (``touch`` and ``unpin_blocks`` of a list are those of its blocks in turn,
-    # ``free_blocks`` of a list too where it frees none).
-    # vLLM reaches these only with resident groups (its callers return first without), so with the rows.
-
-    def _page_blocks(self, request_id: str, page_idx: int) -> list | None:
-        """The page's GPU block in every resident group (vLLM's ``get_resident_page`` of each), or None when a
-        group has none or reads it from the host."""
-        return self.rows.page_blocks(request_id, page_idx, self._gpu_blocks)
-
-    def _resident_page_blocks(self, request_id: str, page_idx: int) -> list | None:
-        # vLLM's: None for a page in the tail or not on the GPU. Every resident row has the same length
-        # (``check_rows``), the first's stands for all.
-        if page_idx >= len(self.resident_managers[0].req_to_blocks.get(request_id, ())) - ACTIVE_TAIL_PAGES:
-            return None
-        return self._page_blocks(request_id, page_idx)
-
-    def _releasable_clean(self, request_id: str, state) -> list[int]:
-        """The request's clean pinned pages ``_unpin_page`` can release: those outside its tail (a page in the
-        tail stays pinned until it leaves it, ``_resident_page_blocks``), so that the release order is taken
-        over these alone."""
-        first_tail = len(self.resident_managers[0].req_to_blocks.get(request_id, ())) - ACTIVE_TAIL_PAGES
-        return [page_idx for page_idx in state.pinned_clean if page_idx < first_tail]
-
-    def _unpin_clean_pages(self, request_id: str, state) -> None:
-        # vLLM's: tail first, so a prefix loses its tail pages before its head.
-        for page_idx in sorted(self._releasable_clean(request_id, state), reverse=True):
-            self._unpin_page(request_id, state, page_idx)
-
-    def _unpin_page(self, request_id: str, state, page_idx: int) -> bool:
-        if page_idx in state.pending_pages or page_idx not in state.valid_pages:
-            return False
-        blocks = self._resident_page_blocks(request_id, page_idx)
-        if blocks is None:
-            return False
-        owner = (request_id, page_idx)
-        for block in blocks:
-            self._owners.setdefault(block.block_id, set()).add(owner)
-        self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
-        state.pinned_clean.discard(page_idx)
-        state.unpinned_pages.add(page_idx)
-        return True
-
-    def _apply_enqueued_spills(self) -> None:
-        # vLLM's gives back a copied page's pins (each transfer's reference to its blocks, taken when planned)
-        # one group at a time, each to its group's pool: here one pool (``__init__``) and a block a group. Where
-        # every block stays held by its request, the frees only count down, so one call does for all; a page
-        # whose request is gone goes back block by block, in vLLM's queue order.
-        pool = self.gpu_pool
-        for pending in self.pending_spills.values():
-            if (pending.enqueue_applied or not pending.expected_worker_completions
-                    or pending.worker_completions < pending.expected_worker_completions):
-                continue
-            blocks = pending.resident_blocks
-            if all(block.ref_cnt > 1 for block in blocks):
-                pool.free_blocks(blocks)
-            else:
-                for block in blocks:
-                    pool.free_blocks([block])
-            pending.enqueue_applied = True
-
-    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
-        # vLLM's, whose test that every group holds the page on the GPU is _plan_page_transfer's first (it
-        # plans nothing and changes nothing when one does not).
-        page_tokens = self._host_block_size
-        state = self._get_request_state(request_id)
-        first = max(state.ready_prefix_pages, -(-self._pending_imports.get(request_id, 0) // page_tokens))
-        budget = self.max_spill_pages - len(self.spills_to_send)
-        for page_idx in range(first, num_computed_tokens // page_tokens):
-            if budget <= 0:
-                break
-            if (page_idx not in state.pending_pages and page_idx not in state.valid_pages
-                    and self._plan_page_transfer(request_id, page_idx, after_forward=True)):
-                budget -= 1
-
-    def _plan_page_transfer(self, request_id: str, page_idx: int, *, after_forward: bool,
-                            restore: bool = False) -> bool:
-        state = self._get_request_state(request_id)
-        if page_idx in state.pending_pages:
-            return False
-        host_blocks = self.host_manager.req_to_blocks.get(request_id, ())
-        host_block = host_blocks[page_idx] if page_idx < len(host_blocks) else None
-        blocks = None if host_block is None or host_block.is_null else self._page_blocks(request_id, page_idx)
-        if blocks is None:
-            return False
-        self.host_manager.block_pool.touch([host_block])
-        self.gpu_pool.touch(blocks)
-        transfer_id = self.next_spill_id
-        self.next_spill_id += 1
-        resident = tuple(block.block_id for block in blocks)
-        self.spills_to_send.append(SparseKVPageTransfer(
-            transfer_id=transfer_id, host_block_id=host_block.block_id, resident_block_ids=resident,
-            after_forward=after_forward, restore=restore))
-        self.pending_spills[transfer_id] = _PendingSpill(
-            transfer_id=transfer_id, page=(request_id, page_idx), request_state=state, host_block=host_block,
-            resident_blocks=tuple(blocks), restore=restore)
-        state.pending_pages[page_idx] = transfer_id
-        return True
-
-    def _record_copy(self, request_id: str, page_idx: int, host_block) -> None:
-        # vLLM's: index the page's GPU blocks under its host block's hash, for later prefix hits.
-        host_hash = host_block.block_hash
-        if host_block.is_null or host_hash is None:
-            return
-        blocks = self._page_blocks(request_id, page_idx)
-        if blocks is None:
-            return
-        self._drop_copy(host_hash)
-        self.copies[host_hash] = tuple(blocks)
-        for block in blocks:
-            self._copy_by_block[block.block_id] = host_hash
 
     def take_residency_updates(self, request_ids):
         """vLLM's, for the scheduled requests that have an update to take (pages made stale, or pages the
         worker has not been sent; a decode within its last page has none), with each update's block ids read
-        from the core's rows (one call a request for every group) instead of each group's row in Python."""
-        if self._recorder is None or not self.resident_managers:
-            return super().take_residency_updates(request_ids)
-        rows, null = self.resident_managers[0].req_to_blocks, self._null_block_id
-        updates = {}
-        for request_id in request_ids:
-            state = self._get_request_state(request_id)
-            num_pages = len(rows.get(request_id, ()))
-            start = state.synced_pages
-            if not state.stale_pages and start >= num_pages:
-                continue
-            pages = [*sorted(state.stale_pages), *range(start, num_pages)]
-            updates[request_id] = SparseKVResidencyUpdate(pages=pages,
-                                                          block_ids=self.rows.blocks_by_group(request_id, pages, null))
-            state.stale_pages.clear()
-            state.synced_pages = num_pages
-        return updates
+        from the core's rows."""
+        return {request_id: SparseKVResidencyUpdate(pages=pages, block_ids=ids)
+                for request_id, pages, ids in self.book.residency_updates(request_ids, self._null_block_id)}
+
+    # ------------------------------------------------------------------ prefix hits, imports, publication
+
+    def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
+        pages = min(num_host_pages, len(self.host_manager.req_to_blocks.get(request_id, ())))
+        self.book.commit_computed(request_id, pages)
+        self.rows.wake(request_id)
+
+    def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
+        self.book.record_import(request_id, num_tokens)
+        self.rows.wake(request_id)
+
+    def pending_imports(self) -> dict[str, int]:
+        """Request -> prefix tokens an external load is still writing (vLLM's ``_pending_imports``)."""
+        return self.book.imports()
+
+    def finish_host_import(self, request_id: str, *, failed: bool) -> None:
+        num_tokens = self.book.take_import(request_id)
+        if num_tokens is not None and not failed:
+            self.complete_host_import(request_id, num_tokens)
+        self.rows.wake(request_id)
+
+    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
+        self.book.complete_import(request_id, num_computed_tokens)
+        self.rows.wake(request_id)
+
+    def _adopt_copies(self, request_id: str) -> None:
+        """Adopts the GPU copies of the request's prefix-hit pages, leaving its adoption open
+        (``restore.py``: vLLM's per-step residency ends it)."""
+        self.book.adopt(request_id, False)
 
     def publish_when_ready(self, request, num_computed_tokens, retention_interval, *, replay_boundaries) -> None:
         # Called for every request after every step, but for one steady within its page (``bind``'s
         # cache_blocks: nothing below can have changed, ``_publishes_nothing``). When the durable prefix
         # publishes nothing new and records no new GPU copy, vLLM's version only leaves its pending
         # publication: none once every computed page is durable, else one of this step's pages, which the
-        # copies still in flight publish as they complete (``_complete_host_writes``). Here that is all it
-        # does, without the host manager's calls. The publication left is the first of its page count: a
-        # later step's publishes the same pages (its tokens only count up to the durable prefix, within
-        # them), with the same retention and replay boundaries (of the prompt).
-        request_id = request.request_id
-        state = self.request_states.get(request_id)
-        if state is not None and self._recorder is not None:
-            num_pages = num_computed_tokens // self._host_block_size
-            if self._publishes_nothing(request, state, num_pages):
-                state.publication = None if state.ready_prefix_pages >= num_pages else _PendingPublication(
-                    request, num_computed_tokens, num_pages, retention_interval, replay_boundaries)
+        # copies still in flight publish as they complete. Here that is all it does, without the host
+        # manager's calls. The publication left is the first of its page count: a later step's publishes the
+        # same pages (its tokens only count up to the durable prefix, within them), with the same retention
+        # and replay boundaries (of the prompt).
+        request_id, book = request.request_id, self.book
+        num_pages = num_computed_tokens // self._host_block_size
+        facts = book.publication_facts(request_id)
+        if facts is not None and self._publishes_nothing(request, *facts, num_pages):
+            if facts[0] >= num_pages:
+                book.set_publication(request_id, None)
                 return
-        self._unmark(request_id)
-        super().publish_when_ready(request, num_computed_tokens, retention_interval,
-                                   replay_boundaries=replay_boundaries)
+        else:
+            self._unmark(request_id)
+            facts = None
+        book.set_publication(request_id, _PendingPublication(request, num_computed_tokens, num_pages,
+                                                             retention_interval, replay_boundaries),
+                             num_computed_tokens)
+        if facts is None:
+            book.publish_if_ready(request_id)
 
-    def _publishes_nothing(self, request, state, num_pages: int) -> bool:
+    def _publishes_nothing(self, request, ready_prefix_pages: int, copies_recorded: int, num_pages: int) -> bool:
         """Whether vLLM's ``publish_when_ready`` of ``num_pages`` computed pages would publish nothing and
         record no GPU copy: it publishes the computed pages that are durable (the ready prefix), and these
-        are cached and recorded already. The recorded pages and cached blocks only grow while ``state`` lives,
-        and the ready prefix changes only where vLLM publishes it in the same call: a copy's completion
-        (``_complete_host_writes``) or an import's (``complete_host_import``), and ``commit_computed_blocks``
-        before the request's first step. So once the host row and the block hashes reach past the computed
-        pages, the answer holds until another page is computed: marked in the gate (until the state goes:
-        ``free``); an answer for fewer pages than that is not, and any older one is dropped."""
-        durable = min(state.ready_prefix_pages, num_pages)
+        are cached and recorded already. The recorded pages and cached blocks only grow while the request's
+        record lives, and the ready prefix changes only where vLLM publishes it in the same call: a copy's
+        completion or an import's, and ``commit_computed_blocks`` before the request's first step. So once the
+        host row and the block hashes reach past the computed pages, the answer holds until another page is
+        computed: marked in the gate (until the record goes: ``free``); an answer for fewer pages than that
+        is not, and any older one is dropped."""
+        durable = min(ready_prefix_pages, num_pages)
         request_id = request.request_id
         manager = self.host_manager
         host_blocks = len(manager.req_to_blocks.get(request_id, ()))
-        if host_blocks and state.copies_recorded_blocks < min(durable, host_blocks):
+        if host_blocks and copies_recorded < min(durable, host_blocks):
             return False
         hashed = len(request.block_hashes) * self._hash_block_size // self._host_block_size
         if self._host_prefix_cacheable and manager.num_cached_block.get(request_id, 0) < min(durable, hashed):
@@ -514,39 +459,45 @@ class Bookkeeping(HiSparseCoordinator):
         if self._gate is not None:
             self._gate.end_pass()
 
+    # vLLM's effects the book asks for by name (``rust/python/src/page_book.rs``): the host prefix cache's.
+
+    def _engine_publish(self, publication: _PendingPublication, num_tokens: int) -> None:
+        self.host_manager.publish_blocks(publication.request, num_tokens,
+                                         retention_interval=publication.retention_interval,
+                                         replay_boundaries=publication.replay_boundaries)
+
+    def _engine_detach(self, request_id: str, publication: _PendingPublication, num_pages: int) -> None:
+        # Completed pages need leases too: another allocation may evict them before the remaining copies
+        # finish and the prefix publishes.
+        manager = self.host_manager
+        publication.detached_blocks = manager.req_to_blocks[request_id][:num_pages]
+        publication.num_cached_blocks = manager.num_cached_block.get(request_id, 0)
+        manager.block_pool.touch(publication.detached_blocks)
+
+    def _engine_publish_detached(self, publication: _PendingPublication, num_full_blocks: int) -> None:
+        manager = self.host_manager
+        blocks = publication.detached_blocks
+        manager.block_pool.cache_full_blocks(
+            request=publication.request, blocks=blocks, num_cached_blocks=publication.num_cached_blocks,
+            num_full_blocks=num_full_blocks, block_size=manager.block_size,
+            kv_cache_group_id=manager.kv_cache_group_id)
+        manager.block_pool.free_blocks(reversed(blocks))
+
+    # ------------------------------------------------------------------ transfers
+
+    def update_spills(self, enqueued_counts, completed_counts) -> None:
+        # vLLM's ignores ids it does not track; those forget_worker_state dropped are counted.
+        if self._forgotten_below:
+            known = {t[0] for t in self.book.transfers()}
+            self.counters["late_transfer_reports"] += sum(
+                1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
+                if transfer_id < self._forgotten_below and transfer_id not in known)
+        self.book.update_transfers(enqueued_counts, completed_counts)
+
     def free(self, request_id: str) -> None:
-        super().free(request_id)
+        self.book.free(request_id)
         self._reads_host.discard(request_id)
         self._unmark(request_id)
-        self.rows.wake(request_id)
-
-    # What changes the state ``settle`` reads other than through the rows: the request is woken.
-
-    def _page_became_clean(self, request_id: str, state, page_idx: int) -> None:
-        super()._page_became_clean(request_id, state, page_idx)
-        self.rows.wake(request_id)
-
-    def _lose_page(self, request_id: str, page_idx: int) -> None:
-        # vLLM's drops the page in each resident group (a request it still tracks): recorded here in one call.
-        tracked = request_id in self.request_states
-        super()._lose_page(request_id, page_idx)
-        if tracked:
-            self.rows.drop_page(request_id, page_idx)  # which wakes it
-
-    def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
-        super().commit_computed_blocks(request_id, num_host_pages)
-        self.rows.wake(request_id)
-
-    def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
-        super().record_pending_host_import(request_id, num_tokens)
-        self.rows.wake(request_id)
-
-    def finish_host_import(self, request_id: str, *, failed: bool) -> None:
-        super().finish_host_import(request_id, failed=failed)
-        self.rows.wake(request_id)
-
-    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
-        super().complete_host_import(request_id, num_computed_tokens)
         self.rows.wake(request_id)
 
     # ------------------------------------------------------------------ a reset: what the workers held is gone
@@ -561,10 +512,10 @@ class Bookkeeping(HiSparseCoordinator):
         it). Here their pins are given back, detached host publications waiting on them are dropped unpublished,
         and the GPU copies indexed for host prefix hits are forgotten: vLLM's reset then clears both pools'
         hashes, so no host prefix and no GPU page the old worker held is read again; every request computes
-        its KV anew. Transfer ids are not reused (``next_spill_id`` goes on), so a late report of a dropped
-        transfer names no transfer and is ignored (counted in ``late_transfer_reports``). On a live worker
-        (a reset after a weight update), the dropped transfers were submitted in earlier steps, which vLLM's
-        worker orders before the next steps' host writes (``host_write_event``).
+        its KV anew. Transfer ids are not reused, so a late report of a dropped transfer names no transfer
+        and is ignored (counted in ``late_transfer_reports``). On a live worker (a reset after a weight
+        update), the dropped transfers were submitted in earlier steps, which vLLM's worker orders before the
+        next steps' host writes (``host_write_event``).
 
         Only once every block in use is held by these pins alone (every running request preempted or finished,
         and no block free deferred behind a step in flight): otherwise vLLM's reset fails anyway, and nothing
@@ -573,77 +524,44 @@ class Bookkeeping(HiSparseCoordinator):
         output is processed (``Scheduler.deferred_frees``, for every connector that loads KV, its own HiSparse
         included), so a reset that preempts running requests then fails in vLLM; the scheduler's deferred
         blocks are not the coordinator's to free."""
-        if self.host_manager is None or any(manager.req_to_blocks for manager in self.managers):
+        if any(manager.req_to_blocks for manager in self.managers):
             return False
-        host_pool = self.host_manager.block_pool
+        book, host_pool = self.book, self.host_manager.block_pool
+        transfers = book.transfers()
+        detached = dict(book.detached())  # request -> its publication, leased once for its transfers
         gpu_pins: Counter[int] = Counter()
         host_pins: Counter[int] = Counter()
-        detached = {}  # a finished request's publication, shared by its transfers: leased once
-        for pending in self.pending_spills.values():
-            if not pending.enqueue_applied:
-                gpu_pins.update(block.block_id for block in pending.resident_blocks)
-            host_pins[pending.host_block.block_id] += 1
-            publication = pending.request_state.publication
-            if publication is not None and publication.detached_blocks is not None:
-                detached[id(publication)] = publication.detached_blocks
-        for blocks in detached.values():
-            host_pins.update(block.block_id for block in blocks)
+        for _, _, _, host, resident, pins_released, *_ in transfers:
+            if not pins_released:
+                gpu_pins.update(resident)
+            host_pins[host] += 1
+        for publication in detached.values():
+            host_pins.update(block.block_id for block in publication.detached_blocks)
         for source, copy in self._retained_copies.values():
             host_pins.update((source.block_id, copy.block_id))
         for pool, pins in ((self.gpu_pool, gpu_pins), (host_pool, host_pins)):
-            if pool is not None and any(block.ref_cnt != pins[block.block_id] for block in pool.blocks
-                                        if block.ref_cnt and not block.is_null):
+            if any(block.ref_cnt != pins[block.block_id] for block in pool.blocks
+                   if block.ref_cnt and not block.is_null):
                 return False
-        for pending in self.pending_spills.values():
-            if not pending.enqueue_applied:
-                for manager, block in zip(self.resident_managers, pending.resident_blocks, strict=True):
-                    manager.block_pool.free_blocks([block])
-            host_pool.free_blocks([pending.host_block])
-            state = pending.request_state
-            state.pending_pages.pop(pending.page[1], None)
-            publication = state.publication
-            if publication is not None and publication.detached_blocks is not None:
+        gpu_blocks, host_blocks = self.gpu_pool.blocks, host_pool.blocks
+        for _, request_id, _, host, resident, pins_released, *_ in transfers:
+            if not pins_released:
+                for block_id in resident:
+                    self.gpu_pool.free_blocks([gpu_blocks[block_id]])
+            host_pool.free_blocks([host_blocks[host]])
+            publication = detached.pop(request_id, None)
+            if publication is not None:
                 # A finished request's prefix waiting on these copies: its lease is given back unpublished.
                 host_pool.free_blocks(reversed(publication.detached_blocks))
-                state.publication = None
+        book.forget_all()
         for source, copy in self._retained_copies.values():
             host_pool.free_blocks([copy, source])
-        self.counters["transfers_dropped"] += len(self.pending_spills)
+        self.counters["transfers_dropped"] += len(transfers)
         self.counters["host_copies_dropped"] += len(self._retained_copies)
-        self._forgotten_below = self.next_spill_id
-        self.pending_spills.clear()
-        self.spills_to_send = []
+        self._forgotten_below = book.next_transfer
         self._retained_copies.clear()
-        self._pending_imports.clear()
-        self.copies.clear()
-        self._copy_by_block.clear()
-        self._owners.clear()
-        self.request_states.clear()
-        self._resident_requests.clear()
         self._reads_host.clear()
         if self._gate is not None:
             self._gate.unmark_all()
         self.rows.clear_all()
         return True
-
-    def update_spills(self, enqueued_counts, completed_counts) -> None:
-        # vLLM's ignores ids it does not track; those forget_worker_state dropped are counted.
-        if self._forgotten_below:
-            self.counters["late_transfer_reports"] += sum(
-                1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
-                if transfer_id < self._forgotten_below and transfer_id not in self.pending_spills)
-        # vLLM's walks every transfer in flight twice per step, to find those whose counts completed them; a
-        # transfer completes only in a step that reports it. So vLLM's runs over the reported ones alone, in
-        # its order (by id, the order they were planned in), and its removals are applied to the whole table.
-        everything = self.pending_spills
-        reported = sorted(transfer_id for transfer_id in {*enqueued_counts, *completed_counts}
-                          if transfer_id in everything)
-        self.pending_spills = {transfer_id: everything[transfer_id] for transfer_id in reported}
-        try:
-            super().update_spills(enqueued_counts, completed_counts)
-        finally:
-            left, self.pending_spills = self.pending_spills, everything
-            for transfer_id in reported:
-                if transfer_id not in left:
-                    del everything[transfer_id]
-            everything.update(left)  # none is new: completing a copy plans no transfer (kept if one did)

@@ -288,7 +288,7 @@ class HiSparseConnector(VllmHiSparseConnector):
         host already; finished after the step, as vLLM would have it, the tail page is read before it is
         restored. An import into host pages another connector is still writing is finished after the step
         (``update_connector_output``)."""
-        imports = coordinator._pending_imports
+        imports = coordinator.pending_imports()
         if not imports:  # usually none: then no request can have started with one pending
             self._sync_imports.append(())
             return

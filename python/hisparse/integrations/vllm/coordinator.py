@@ -1,8 +1,8 @@
 """hisparse's residency policy as vLLM 0.33's ``HiSparseCoordinator`` (scheduler process).
 
-vLLM's coordinator keeps the bookkeeping we keep too (pages dirty -> clean -> unpinned -> lost when the pool
-reuses the block, publication of host prefixes, adoption of GPU copies, spills and imports). We override
-the decisions that are policy (package docstring):
+The bookkeeping is vLLM's, run in the core (pages dirty -> copying -> clean -> released -> lost when the pool
+reuses the block, publication of host prefixes, adoption of GPU copies, spills and imports: ``PageBook``, under
+:class:`~.bookkeeping.Bookkeeping`). We override the decisions that are policy (package docstring):
 
 ``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
@@ -40,8 +40,8 @@ the decisions that are policy (package docstring):
                       host reads (``pool_policy.rs``).
 
 ``fifo`` overrides nothing: it is :class:`~.bookkeeping.Bookkeeping`, this class's base, whose decisions are
-all vLLM's (the parity test checks it step by step) and whose per-step scans run over the core's record of
-vLLM's block rows. ``build_coordinator`` picks the class once.
+all vLLM's (the parity test checks it step by step) and whose state (vLLM's block rows and page lifecycle)
+lives in the core. ``build_coordinator`` picks the class once.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class HisparseCoordinator(Bookkeeping):
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind(kv_cache_manager)
         self._pools = kv_cache_manager.coordinator
-        if self.resident_managers and self.hot_managers and self._recorder is not None:
+        if self.hot_managers:
             self.restores = WholeRestores(self, kv_cache_manager, self._is_short)
 
     def _longest(self, request) -> int | None:
@@ -148,15 +148,9 @@ class HisparseCoordinator(Bookkeeping):
     # ------------------------------------------------------------------ when to take a hot region
 
     def update_residency(self, request_id: str) -> None:
-        if not self.resident_managers:
-            return super().update_residency(request_id)
-        state = self._get_request_state(request_id)
-        if state.pages_to_adopt:
-            host_blocks = self.host_manager.req_to_blocks.get(request_id, ())
-            self._adopt_copies(request_id, state, host_blocks[: state.pages_to_adopt])
-            state.pages_to_adopt = 0
+        self.book.adopt(request_id, True)
         if self._can_read_from_host(request_id):
-            self._unpin_clean_pages(request_id, state)
+            self._unpin_clean_pages(request_id)
             return
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
         request = self.requests.get(request_id)
@@ -165,7 +159,7 @@ class HisparseCoordinator(Bookkeeping):
         end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
         left = 0 if request is None else max(0, request.num_tokens - end)
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
-                                         pages, len(state.unpinned_pages), end, left, self.chunk_tokens,
+                                         pages, self.book.released(request_id), end, left, self.chunk_tokens,
                                          None if request is None else self._longest(request))
         if decision != "take":
             if decision != "stay":
@@ -243,13 +237,11 @@ class HisparseCoordinator(Bookkeeping):
 
     # ------------------------------------------------------------------ release (= reuse) order
 
-    def _unpin_clean_pages(self, request_id, state) -> None:
-        pages = self._releasable_clean(request_id, state)
+    def _unpin_clean_pages(self, request_id: str) -> None:
+        pages = self.book.releasable(request_id)
         if len(pages) > 1:  # usually one: the page that has just left the tail
             pages = self.order.release_order(request_id, pages)
-        for page_idx in pages:
-            if self._unpin_page(request_id, state, page_idx):
-                self.counters["released"] += 1
+        self.counters["released"] += self.book.unpin(request_id, pages)
 
     def report_heat(self, report: HeatReport) -> None:
         """A heat summary from the workers (``heat.py``): the release order of each request it lists, until
@@ -264,7 +256,7 @@ class HisparseCoordinator(Bookkeeping):
             return
         self.counters["heat_summaries"] += 1
         for request_id in report.request_ids:
-            if request_id not in self.request_states:
+            if not self.book.knows(request_id):
                 self.order.forget(request_id)
 
     def free(self, request_id: str) -> None:

@@ -183,9 +183,7 @@ class WholeRestores:
         ``get_num_blocks_to_allocate`` counted and ``restore`` fills from the host (the first ``num_pages``
         now; an external load's once it completes)."""
         coordinator = self.coordinator
-        state = coordinator._get_request_state(request_id)
-        host_blocks = coordinator.host_manager.req_to_blocks.get(request_id, ())
-        coordinator._adopt_copies(request_id, state, host_blocks[: state.pages_to_adopt])  # the committed prefix
+        coordinator._adopt_copies(request_id)  # the committed prefix
         first = coordinator.resident_managers[0]
         coordinator.counters["pages_adopted"] += sum(
             1 for page, block in enumerate(first.req_to_blocks[request_id])
@@ -200,8 +198,7 @@ class WholeRestores:
             for page, block in zip(nulls, manager.block_pool.get_new_blocks(len(nulls)), strict=True):
                 row[page] = block
             filled.update(nulls)
-            if recorder is not None:
-                recorder.reread(request_id, manager, group)
+            recorder.reread(request_id, manager, group)
         self._unrestored[request_id] = filled
         self.restore(request_id, num_pages)
 
