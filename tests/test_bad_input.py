@@ -634,7 +634,7 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
     rows = _core.BlockRows(2, 16)
     rows.set("a", 0, [1, None])
     fake_pool = types.SimpleNamespace(blocks=[])  # a pool's blocks by id (none: nothing is read here)
-    book = _core.PageBook(rows, object(), fake_pool, fake_pool, [0, 1], [], 16, 8)
+    book = _core.PageBook(rows, object(), set(), fake_pool, fake_pool, [0, 1], [], 16, 8)
     pool = dict(free_blocks=1000, running=0, reading_host=0, owed_hot_blocks=0, may_take_hot=False)
     count, two = struct.pack("=I", 2), struct.pack("=qq", 0, 0)
     calls = {
@@ -675,11 +675,13 @@ def test_the_vllm_bookkeeping_refuses_wrong_types_and_negatives_by_name():
         "count": lambda: book.update_transfers({}, {0: -1}),
         "null": lambda: book.residency_updates(["a"], -1),
         "publication needs its tokens": lambda: book.set_publication("a", object()),
-        "max_planned": lambda: _core.PageBook(rows, object(), fake_pool, fake_pool, [0, 1], [], 16, -1),
-        "2 resident managers": lambda: _core.PageBook(_core.BlockRows(1, 16), object(), fake_pool, fake_pool,
+        "max_planned": lambda: _core.PageBook(rows, object(), set(), fake_pool, fake_pool, [0, 1], [], 16, -1),
+        "2 resident managers": lambda: _core.PageBook(_core.BlockRows(1, 16), object(), set(), fake_pool, fake_pool,
                                                        [0, 1], [], 16, 8),
-        "blocks must be a list": lambda: _core.PageBook(rows, object(), types.SimpleNamespace(blocks=()),
+        "blocks must be a list": lambda: _core.PageBook(rows, object(), set(), types.SimpleNamespace(blocks=()),
                                                           fake_pool, [0, 1], [], 16, 8),
+        "reads_host must be a set": lambda: _core.PageBook(rows, object(), [], fake_pool, fake_pool, [0, 1], [], 16, 8),
+        "reprefill": lambda: book.advance([], -1),
     }
     before = rows.row("a", 0), rows.row_len("a", None), len(policy), book.pages("a")
     for name, call in calls.items():

@@ -325,33 +325,36 @@ def test_coldest_orders_vllms_free_queue_by_heat():
         free(rid)
 
     coord.report_heat, coord.free = record, forget
-    tiered = []
-    unpin_clean = coord._unpin_clean_pages
+    tiered, checked = [], []
+    released: list[tuple[str, list[int]]] = []  # this step's releases of several pages, in their order
+    order = coord._release_order
 
-    def unpin_together(rid):
-        before = set(coord.book.pages(rid)["released"])
-        unpin_clean(rid)
-        released = [page for page in coord.book.pages(rid)["released"] if page not in before]
-        if rid not in ranks or len(released) < 2:
-            return
-        # The order they were released in is the order their blocks entered vLLM's free queue, in every group.
+    def release_order(rid, pages):
+        ordered = order(rid, pages)
+        if rid in ranks:
+            tiers = [ranks[rid].get(page, (1, page)) for page in ordered]
+            assert tiers == sorted(tiers), f"{rid} releases {ordered} out of its heat order"
+            if len({tier for tier, _ in tiers}) > 1:
+                tiered.append(rid)
+            released.append((rid, ordered))
+        return ordered
+
+    def on_step(_):
+        # They sit in vLLM's free queue in that order, in every group (those not handed out since).
         position = {b.block_id: i for i, b in enumerate(pool.free_block_queue.get_all_free_blocks())}
-        queues = [[position.get(manager.get_resident_page(rid, page).block_id) for page in released]
-                  for manager in coord.resident_managers]
-        queued = [page for page, at in sorted(zip(released, queues[0], strict=True),
-                                              key=lambda p: (p[1] is None, p[1])) if at is not None]
-        order = [ranks[rid].get(page, (1, page)) for page in queued]
-        assert order == sorted(order), f"{rid} released {queued} out of its heat order"
-        for queue in queues:
-            at = [position for position in queue if position is not None]
-            assert sorted(at) == [queue[released.index(page)] for page in queued], f"{rid}: groups queued apart"
-        if len({tier for tier, _ in order}) > 1:
-            tiered.append(rid)
+        for rid, pages in released:
+            for manager in coord.resident_managers:
+                blocks = [manager.get_resident_page(rid, page) for page in pages]
+                queued = [position[b.block_id] for b in blocks if b is not None and b.block_id in position]
+                assert queued == sorted(queued), f"{rid}: released pages queued out of release order"
+                checked.append(len(queued))
+        released.clear()
 
-    coord._unpin_clean_pages = unpin_together
-    H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)])
+    coord._release_order = release_order
+    H.run(setup, worker, [H.Job(f"r{i}", H.prompt(i, 6000), 24) for i in range(3)], on_step=on_step)
     assert coord.counters["heat_summaries"] > 0
     assert tiered, "no request released pages of more than one heat tier together"
+    assert max(checked) > 1, "no release was found in the free queue"
 
 
 def test_the_locality_models_selections_run_through_vllms_hisparse_path():

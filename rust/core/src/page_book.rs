@@ -82,6 +82,12 @@ pub trait Engine {
         -> Result<(), Self::Error>;
     /// A detached publication's copies completed: publish its first `full_pages` and give back its lease.
     fn publish_detached(&mut self, payload: &Self::Payload, full_pages: usize) -> Result<(), Self::Error>;
+    /// The order to release the request's releasable `pages` in (given increasing, at least two): the
+    /// policy's (vLLM's: tail first, so a prefix loses its tail pages before its head).
+    fn release_order(&mut self, request: &str, pages: Vec<u32>) -> Result<Vec<u32>, Self::Error>;
+    /// The request, `released` of whose pages are released already, does not read through its hot region:
+    /// the policy decides whether it asks for one.
+    fn without_region(&mut self, request: &str, released: usize) -> Result<(), Self::Error>;
 }
 
 /// A pending publication: the request's computed prefix, published as its pages become durable.
@@ -447,6 +453,36 @@ impl<P> PageBook<P> {
         self.state_mut(slot).copying.insert(page, id);
         self.planned.push(Planned { id, host, resident, after_forward, restore });
         Ok(true)
+    }
+
+    /// vLLM's per-step work for each scheduled `(request, tokens computed once the step has run)`, in order
+    /// (its `advance_scheduled`): the host copies of its sealed pages (past the last `reprefill` tokens, not
+    /// final yet), the GPU copies of its prefix hit adopted, then its residency: a request reading through
+    /// its hot region releases its clean pages out of the tail in the policy's order
+    /// ([`Engine::release_order`]); another is left to the policy ([`Engine::without_region`]). Returns how
+    /// many pages were released.
+    pub fn advance<E: Engine<Payload = P>>(
+        &mut self,
+        rows: &mut BlockRows,
+        engine: &mut E,
+        steps: &[(String, u64)],
+        reprefill: u64,
+    ) -> Result<usize, E::Error> {
+        let mut released = 0;
+        for (request, tokens) in steps {
+            self.materialize(rows, engine, request, tokens.saturating_sub(reprefill))?;
+            self.adopt(rows, engine, request, true)?;
+            if engine.can_read_from_host(request)? {
+                let mut pages = self.releasable(rows, request);
+                if pages.len() > 1 {
+                    pages = engine.release_order(request, pages)?;
+                }
+                released += self.unpin(rows, engine, request, &pages)?;
+            } else {
+                engine.without_region(request, self.released(request))?;
+            }
+        }
+        Ok(released)
     }
 
     /// Plans the host copy of every sealed page of the first `tokens` that has none yet and is on the GPU
@@ -1120,6 +1156,14 @@ mod tests {
             self.calls.push(format!("publish_detached {payload} {full_pages}"));
             Ok(())
         }
+        fn release_order(&mut self, _: &str, mut pages: Vec<u32>) -> Result<Vec<u32>, CoreError> {
+            pages.reverse();
+            Ok(pages)
+        }
+        fn without_region(&mut self, request: &str, _: usize) -> Result<(), CoreError> {
+            self.calls.push(format!("without_region {request}"));
+            Ok(())
+        }
     }
 
     const BS: u32 = 4;
@@ -1172,6 +1216,23 @@ mod tests {
         book.block_reused(&mut rows, &mut e, 20).unwrap();
         assert!(e.take().is_empty());
         assert_eq!(book.residency_updates(&rows, ["r"]), [(0, vec![2])]);
+    }
+
+    #[test]
+    fn a_step_plans_copies_then_releases_in_the_policys_order_or_leaves_the_region_to_it() {
+        let (mut rows, mut book, mut e) = (rows("r", 6), book(), Fake::default());
+        let steps = [("r".to_string(), 6 * u64::from(BS))];
+        // Not reading through a hot region: its copies are planned, the policy asked.
+        assert_eq!(book.advance(&mut rows, &mut e, &steps, u64::from(BS)).unwrap(), 0);
+        assert_eq!(book.in_flight(), 5, "the page of the last reprefill tokens is not final");
+        assert_eq!(e.take().last().unwrap(), "without_region r");
+        let reports: Vec<(u64, u64)> = (0..5).map(|id| (id, 1)).collect();
+        book.update_transfers(&mut rows, &mut e, &reports, &reports).unwrap();
+        e.reads_host.insert("r");
+        e.take();
+        // Reading through it: its clean pages out of the tail (0-3 of 6) go, tail first.
+        assert_eq!(book.advance(&mut rows, &mut e, &steps, u64::from(BS)).unwrap(), 4);
+        assert_eq!(e.take(), ["unpin [30, 31, 20, 21, 10, 11, 0, 1]"]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use hisparse_core::page_book::{Engine, Hash, PageBook as CorePageBook};
 use hisparse_core::CoreError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
 use crate::args::{boolean, int, pairs};
 use crate::block_rows::BlockRows;
@@ -47,6 +47,8 @@ impl<T> Raise<T> for Result<T, Failure> {
 /// vLLM's objects the book's effects are made on.
 struct Refs {
     coordinator: Py<PyAny>,
+    /// The requests known to read through their hot regions (the coordinator's set).
+    reads_host: Py<PySet>,
     gpu_pool: Py<PyAny>,
     gpu_blocks: Py<PyList>,
     host_pool: Py<PyAny>,
@@ -147,6 +149,10 @@ impl Engine for Vllm<'_, '_> {
     }
 
     fn can_read_from_host(&mut self, request: &str) -> Result<bool, Failure> {
+        // Known yes answers first (they hold until the request is freed), without a call into Python.
+        if self.refs.reads_host.bind(self.py).contains(request)? {
+            return Ok(true);
+        }
         Ok(self
             .coordinator()
             .call_method1(intern!(self.py, "_can_read_from_host"), (request,))?
@@ -201,6 +207,17 @@ impl Engine for Vllm<'_, '_> {
     fn publish_detached(&mut self, payload: &Py<PyAny>, full_pages: usize) -> Result<(), Failure> {
         self.coordinator()
             .call_method1(intern!(self.py, "_engine_publish_detached"), (payload, full_pages))?;
+        Ok(())
+    }
+
+    fn release_order(&mut self, request: &str, pages: Vec<u32>) -> Result<Vec<u32>, Failure> {
+        let ordered =
+            self.coordinator().call_method1(intern!(self.py, "_release_order"), (request, pages))?;
+        Ok(crate::args::ints(&ordered, "release order")?)
+    }
+
+    fn without_region(&mut self, request: &str, released: usize) -> Result<(), Failure> {
+        self.coordinator().call_method1(intern!(self.py, "_without_region"), (request, released))?;
         Ok(())
     }
 }
@@ -263,11 +280,12 @@ impl PageBook {
     /// ``gpu_pool`` (which the resident groups share) and ``host_pool``; pages of ``block_size`` tokens, at
     /// most ``max_planned`` transfers planned and not yet sent.
     #[new]
-    #[pyo3(signature = (rows, coordinator, gpu_pool, host_pool, resident_managers, hot_managers, block_size, max_planned))]
+    #[pyo3(signature = (rows, coordinator, reads_host, gpu_pool, host_pool, resident_managers, hot_managers, block_size, max_planned))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         rows: Py<BlockRows>,
         coordinator: Py<PyAny>,
+        reads_host: &Bound<'_, PyAny>,
         gpu_pool: &Bound<'_, PyAny>,
         host_pool: &Bound<'_, PyAny>,
         resident_managers: &Bound<'_, PyAny>,
@@ -296,6 +314,11 @@ impl PageBook {
             rows,
             refs: Refs {
                 coordinator,
+                reads_host: reads_host
+                    .cast::<PySet>()
+                    .map_err(|_| invalid("reads_host must be a set".into()))?
+                    .clone()
+                    .unbind(),
                 gpu_blocks: blocks(gpu_pool)?,
                 gpu_pool: gpu_pool.clone().unbind(),
                 host_blocks: blocks(host_pool)?,
@@ -353,6 +376,21 @@ impl PageBook {
         let (p, after, restore) =
             (self::page(page)?, boolean(after_forward, "after_forward")?, boolean(restore, "restore")?);
         Self::run(slf, |b, r, e| b.plan(r, e, request, p, after, restore))
+    }
+
+    /// vLLM's per-step work for each ``(request, tokens computed once the step has run)`` in order
+    /// (``PageBook::advance``); returns how many pages were released.
+    fn advance(
+        slf: &Bound<'_, Self>,
+        steps: &Bound<'_, PyAny>,
+        reprefill: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let reprefill = int(reprefill, "reprefill")?;
+        let mut parsed = Vec::new();
+        for step in steps.try_iter()? {
+            parsed.push(step?.extract::<(String, u64)>()?);
+        }
+        Self::run(slf, |b, r, e| b.advance(r, e, &parsed, reprefill))
     }
 
     /// Plans the host copy of every sealed page of the first ``tokens`` without one.
@@ -595,11 +633,6 @@ impl PageBook {
         d.set_item("copies_recorded", p.copies_recorded)?;
         d.set_item("publication", p.publication)?;
         Ok(Some(d))
-    }
-
-    /// How many of the request's pages are released.
-    fn released(&self, request: &str) -> PyResult<usize> {
-        self.with(|b| b.released(request))
     }
 
     /// The requests with a record.

@@ -160,8 +160,10 @@ class Bookkeeping(HiSparseCoordinator):
         self.counters: Counter[str] = Counter()
         host = self.host_manager
         self.rows = BlockRows(len(self.resident_managers), host.block_size)
-        self.book = PageBook(self.rows, self, self.gpu_pool, host.block_pool, self.resident_managers,
-                             self.hot_managers, host.block_size, self.max_spill_pages)
+        # Requests known to hold their hot regions (``_can_read_from_host``), which the book reads too.
+        self._reads_host: set[str] = set()
+        self.book = PageBook(self.rows, self, self._reads_host, self.gpu_pool, host.block_pool,
+                             self.resident_managers, self.hot_managers, host.block_size, self.max_spill_pages)
         # vLLM's state, now the book's: what vLLM's connector reads of it stays readable.
         del self.spills_to_send, self.request_states, self.copies, self._copy_by_block, self._owners
         del self._pending_imports, self._resident_requests
@@ -177,8 +179,6 @@ class Bookkeeping(HiSparseCoordinator):
         # Requests whose publish_when_ready publishes nothing until another page is computed, marked with their
         # pages in the gate vLLM's host group calls for each (``bind``).
         self._gate: PublishGate | None = None
-        # Requests known to hold their hot regions (``_can_read_from_host``).
-        self._reads_host: set[str] = set()
         # vLLM's requests by id (the connector scheduler's map, bound by the connector): their longest lengths.
         self.requests: dict = {}
         # Transfer ids below this were dropped by a reset (``forget_worker_state``); 0: none was.
@@ -263,20 +263,23 @@ class Bookkeeping(HiSparseCoordinator):
     def report_heat(self, report: Any) -> None:
         """vLLM's release order ignores selection heat."""
 
-    def update_residency(self, request_id: str) -> None:
-        # vLLM's: adopt a prefix hit's GPU copies; then a request reading through its hot region releases its
-        # clean pages (tail first, so a prefix loses its tail pages before its head), and one that is not asks
-        # for a region once the pool runs low or its admission window fills.
-        self.book.adopt(request_id, True)
-        if self._can_read_from_host(request_id):
-            self._unpin_clean_pages(request_id)
-        elif (self.gpu_pool.get_num_free_blocks() < self.transition_watermark
-              or self._fills_admission_window(request_id)):
+    def _release_order(self, request_id: str, pages: list[int]) -> list[int]:
+        """The order a request reading through its hot region releases its clean pages out of the tail in
+        (``pages``, increasing): vLLM's, tail first, so a prefix loses its tail pages before its head."""
+        return pages[::-1]
+
+    def _without_region(self, request_id: str, released: int) -> None:
+        """A scheduled request not reading through a hot region, ``released`` of whose pages are released: vLLM's
+        asks for one once the pool runs low or the request fills its admission window (allocated on a later
+        pass)."""
+        if (self.gpu_pool.get_num_free_blocks() < self.transition_watermark
+                or self._fills_admission_window(request_id)):
             for manager in self.hot_managers:
                 manager.require_hot(request_id)
 
-    def _unpin_clean_pages(self, request_id: str) -> None:
-        self.book.unpin(request_id, self.book.releasable(request_id)[::-1])
+    def update_residency(self, request_id: str) -> None:
+        # vLLM's per-step residency of one request: adoption, then _release_order's or _without_region's.
+        self.counters["released"] += self.book.advance([(request_id, 0)], 0)
 
     # ------------------------------------------------------------------ per-step work, O(what changed)
     #
@@ -302,11 +305,9 @@ class Bookkeeping(HiSparseCoordinator):
         return self.book.with_work(requests, self.num_reprefillable_tokens)
 
     def advance_scheduled(self, requests) -> None:
-        # vLLM's, with each request's copies planned in one core call.
-        book, reprefill = self.book, self.num_reprefillable_tokens
-        for request_id, num_tokens in requests:
-            book.materialize(request_id, max(0, num_tokens - reprefill))
-            self.update_residency(request_id)
+        # vLLM's, for every request in one core call (``PageBook::advance``): its copies planned, then its
+        # residency (``update_residency``).
+        self.counters["released"] += self.book.advance(requests, self.num_reprefillable_tokens)
 
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
         self.book.materialize(request_id, num_computed_tokens)
@@ -492,7 +493,8 @@ class Bookkeeping(HiSparseCoordinator):
             self.counters["late_transfer_reports"] += sum(
                 1 for ids in (enqueued_counts, completed_counts) for transfer_id in ids
                 if transfer_id < self._forgotten_below and transfer_id not in known)
-        self.book.update_transfers(enqueued_counts, completed_counts)
+        if enqueued_counts or completed_counts:  # a transfer changes only in a step that reports it
+            self.book.update_transfers(enqueued_counts, completed_counts)
 
     def free(self, request_id: str) -> None:
         self.book.free(request_id)

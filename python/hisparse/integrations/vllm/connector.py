@@ -267,9 +267,8 @@ class HiSparseConnector(VllmHiSparseConnector):
         host_block_copies = coordinator.take_host_block_copies()
         source_group = coordinator.host_group_id
         source_block_ids = [block for r in new_reqs for block in r.block_ids[source_group]]
-        for new_block_ids in cached.new_block_ids:
-            if new_block_ids is not None:
-                source_block_ids.extend(new_block_ids[source_group])
+        source_block_ids += [block for new_block_ids in cached.new_block_ids if new_block_ids is not None
+                             for block in new_block_ids[source_group]]
         if coordinator.rows.changes != changes:
             row_mirrors, resident, _ = coordinator.scan(scheduled, computed, scheduler.draft_kv_lookahead, back)
         updates = coordinator.take_residency_updates(busy)

@@ -4,7 +4,7 @@ The bookkeeping is vLLM's, run in the core (pages dirty -> copying -> clean -> r
 reuses the block, publication of host prefixes, adoption of GPU copies, spills and imports: ``PageBook``, under
 :class:`~.bookkeeping.Bookkeeping`). We override the decisions that are policy (package docstring):
 
-``update_residency``  when a request moves to reading through a hot region. vLLM: as soon as the pool runs
+``_without_region``   when a request moves to reading through a hot region. vLLM: as soon as the pool runs
                       low (or the request fills its admission window). Here, under ``coldest``: the same
                       triggers, but a low pool moves a request only if its releasable pages free more blocks
                       than its hot region costs (``PoolPolicy.transition``). Filling the admission window
@@ -14,7 +14,7 @@ reuses the block, publication of host prefixes, adoption of GPU copies, spills a
                       moves it, to peak at its window and the region, more than its pages). Either waits
                       until the pool can grant the region and the request's next step's blocks: vLLM would
                       preempt for them, and a request running alone preempts itself and starts over.
-``_unpin_clean_pages`` the order clean pages are released in, which is the order vLLM's FIFO free queue
+``_release_order``    the order clean pages are released in, which is the order vLLM's FIFO free queue
                       reuses them: vLLM's is newest first; ``coldest`` is the core's order from the last
                       heat summary (its coldest pages, then the unlisted oldest first, then its hottest).
 ``admit``             (new) admission headroom, asked through the connector's ``get_num_new_matched_tokens``
@@ -147,11 +147,7 @@ class HisparseCoordinator(Bookkeeping):
 
     # ------------------------------------------------------------------ when to take a hot region
 
-    def update_residency(self, request_id: str) -> None:
-        self.book.adopt(request_id, True)
-        if self._can_read_from_host(request_id):
-            self._unpin_clean_pages(request_id)
-            return
+    def _without_region(self, request_id: str, released: int) -> None:
         pages = len(self.resident_managers[0].req_to_blocks.get(request_id, ()))
         request = self.requests.get(request_id)
         # Its tokens computed once this step has run, and those left past them (a request resumed after a
@@ -159,7 +155,7 @@ class HisparseCoordinator(Bookkeeping):
         end = self._step_ends.get(request_id, 0 if request is None else request.num_computed_tokens)
         left = 0 if request is None else max(0, request.num_tokens - end)
         decision = self.order.transition(self._fills_admission_window(request_id), self.gpu_pool.get_num_free_blocks(),
-                                         pages, self.book.released(request_id), end, left, self.chunk_tokens,
+                                         pages, released, end, left, self.chunk_tokens,
                                          None if request is None else self._longest(request))
         if decision != "take":
             if decision != "stay":
@@ -199,7 +195,7 @@ class HisparseCoordinator(Bookkeeping):
 
     def _never_takes_hot_region(self, longest: int | None) -> bool:
         """Whether a request that never grows past ``longest`` tokens (None: unbounded) can never be moved to a
-        hot region (``update_residency``; ``PoolShape::never_takes_hot_region``). Short requests are most
+        hot region (``_without_region``; ``PoolShape::never_takes_hot_region``). Short requests are most
         requests; no region need be kept for them."""
         return longest is not None and self.order.never_takes_hot_region(longest)
 
@@ -237,11 +233,8 @@ class HisparseCoordinator(Bookkeeping):
 
     # ------------------------------------------------------------------ release (= reuse) order
 
-    def _unpin_clean_pages(self, request_id: str) -> None:
-        pages = self.book.releasable(request_id)
-        if len(pages) > 1:  # usually one: the page that has just left the tail
-            pages = self.order.release_order(request_id, pages)
-        self.counters["released"] += self.book.unpin(request_id, pages)
+    def _release_order(self, request_id: str, pages: list[int]) -> list[int]:
+        return self.order.release_order(request_id, pages)  # usually one page: the one that just left the tail
 
     def report_heat(self, report: HeatReport) -> None:
         """A heat summary from the workers (``heat.py``): the release order of each request it lists, until
