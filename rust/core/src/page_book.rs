@@ -85,6 +85,10 @@ pub trait Engine {
     /// The order to release the request's releasable `pages` in (given increasing, at least two): the
     /// policy's (vLLM's: tail first, so a prefix loses its tail pages before its head).
     fn release_order(&mut self, request: &str, pages: Vec<u32>) -> Result<Vec<u32>, Self::Error>;
+    /// The order to publish the requests whose copies completed in one report in (given in the order their
+    /// first copy completed, at least two): vLLM's is its set's of their names, which two requests sharing a
+    /// prefix see (the later one's GPU copies are the ones indexed).
+    fn publish_order(&mut self, requests: Vec<Arc<str>>) -> Result<Vec<Arc<str>>, Self::Error>;
     /// The request, `released` of whose pages are released already, does not read through its hot region:
     /// the policy decides whether it asks for one.
     fn without_region(&mut self, request: &str, released: usize) -> Result<(), Self::Error>;
@@ -630,6 +634,9 @@ impl<P> PageBook<P> {
             engine.free_host(&[t.host])?;
             self.release_slot_if_done(slot);
         }
+        if completed_requests.len() > 1 {
+            completed_requests = engine.publish_order(completed_requests)?;
+        }
         for request in completed_requests {
             let Some(&slot) = self.live.get(&request) else { continue };
             self.state_mut(slot).advance_ready_prefix();
@@ -1159,6 +1166,10 @@ mod tests {
         fn release_order(&mut self, _: &str, mut pages: Vec<u32>) -> Result<Vec<u32>, CoreError> {
             pages.reverse();
             Ok(pages)
+        }
+        fn publish_order(&mut self, mut requests: Vec<Arc<str>>) -> Result<Vec<Arc<str>>, CoreError> {
+            requests.reverse();
+            Ok(requests)
         }
         fn without_region(&mut self, request: &str, _: usize) -> Result<(), CoreError> {
             self.calls.push(format!("without_region {request}"));

@@ -216,6 +216,24 @@ impl Engine for Vllm<'_, '_> {
         Ok(crate::args::ints(&ordered, "release order")?)
     }
 
+    fn publish_order(&mut self, requests: Vec<Arc<str>>) -> Result<Vec<Arc<str>>, Failure> {
+        // vLLM's coordinator adds them to a set in this order and walks the set: a set built the same way,
+        // in this process (string hashes are per process), walks in the same order.
+        let set = PySet::empty(self.py)?;
+        for request in &requests {
+            set.add(&**request)?;
+        }
+        let mut ordered = Vec::with_capacity(requests.len());
+        for name in set.iter() {
+            let name = name.extract::<String>()?;
+            let found = requests.iter().find(|r| ***r == *name);
+            ordered.push(Arc::clone(
+                found.ok_or_else(|| InvariantError::new_err("a set of names grew a name"))?,
+            ));
+        }
+        Ok(ordered)
+    }
+
     fn without_region(&mut self, request: &str, released: usize) -> Result<(), Failure> {
         self.coordinator().call_method1(intern!(self.py, "_without_region"), (request, released))?;
         Ok(())
