@@ -5,10 +5,10 @@
 //! prefix hit can adopt.
 //!
 //! vLLM's coordinator keeps this in Python dicts and sets and walks them page by page and group by group
-//! (six resident groups on DeepSeek-V3.2), and that walking was most of the cost of a step in which a
-//! request seals a page. The same transitions run here over integers, in vLLM's order, with every effect
-//! on vLLM's own objects (its pools, its managers' rows, its host prefix cache) asked of an [`Engine`] at the
-//! point vLLM makes it: the engine stays the one allocator and the one owner of its rows and prefix cache.
+//! (six resident groups on DeepSeek-V3.2) at every event of a page's life. The same transitions run here
+//! over integers, in vLLM's order, with every effect on vLLM's own objects (its pools, its managers' rows,
+//! its host prefix cache) asked of an [`Engine`] at the point vLLM makes it: the engine stays the one
+//! allocator and the one owner of its rows and prefix cache.
 //!
 //! A page moves `dirty -> copying -> clean -> released -> lost`:
 //! - *copying*: a transfer to its host block is in flight ([`PageBook::plan`]); the transfer pins the page's
@@ -373,20 +373,6 @@ impl<P> PageBook<P> {
 
     pub fn imports(&self) -> impl Iterator<Item = (&str, u64)> {
         self.imports.iter().map(|(name, &tokens)| (&**name, tokens))
-    }
-
-    /// The load of the request's import completed (or failed: its pages stay as they were).
-    pub fn finish_import<E: Engine<Payload = P>>(
-        &mut self,
-        rows: &BlockRows,
-        engine: &mut E,
-        request: &str,
-        failed: bool,
-    ) -> Result<(), E::Error> {
-        match self.imports.remove(request) {
-            Some(tokens) if !failed => self.complete_import(rows, engine, request, tokens),
-            _ => Ok(()),
-        }
     }
 
     /// The request's first `tokens` were written into its host pages by a load: they are its durable
