@@ -367,6 +367,11 @@ impl<P> PageBook<P> {
         self.imports.remove(request);
     }
 
+    /// The pages an external load is still writing into the request's host row (from the first).
+    fn importing_pages(&self, request: &str) -> u64 {
+        self.imports.get(request).map_or(0, |&tokens| tokens.div_ceil(self.block_size))
+    }
+
     pub fn import_tokens(&self, request: &str) -> Option<u64> {
         self.imports.get(request).copied()
     }
@@ -485,7 +490,7 @@ impl<P> PageBook<P> {
         tokens: u64,
     ) -> Result<(), E::Error> {
         let pages = tokens / self.block_size;
-        let importing = self.imports.get(request).map_or(0, |&t| t.div_ceil(self.block_size));
+        let importing = self.importing_pages(request);
         let slot = self.slot(request);
         let mut budget = self.max_planned.saturating_sub(self.planned.len());
         let first = (self.state(slot).ready_prefix as u64).max(importing);
@@ -935,7 +940,7 @@ impl<P> PageBook<P> {
         reprefill: u64,
     ) -> Result<bool, E::Error> {
         let Some(s) = self.live_state(request) else { return Ok(true) };
-        let importing = self.imports.get(request).map_or(0, |&t| t.div_ceil(self.block_size));
+        let importing = self.importing_pages(request);
         let first = (s.ready_prefix as u64).max(importing);
         if first < tokens.saturating_sub(reprefill) / self.block_size || s.to_adopt > 0 {
             return Ok(true);

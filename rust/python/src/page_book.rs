@@ -292,6 +292,19 @@ fn page(v: &Bound<'_, PyAny>) -> PyResult<u32> {
     int(v, "page")
 }
 
+/// ``(request, tokens)`` pairs, each with the Python object it was read from.
+fn steps<'py>(v: &Bound<'py, PyAny>) -> PyResult<Vec<(Bound<'py, PyAny>, String, u64)>> {
+    let mut steps = Vec::new();
+    for item in v.try_iter()? {
+        let item = item?;
+        let (request, tokens): (String, Bound<'py, PyAny>) =
+            item.extract().map_err(|_| invalid(format!("a step must be (request, tokens), not {item}")))?;
+        let tokens = int(&tokens, "tokens")?;
+        steps.push((item, request, tokens));
+    }
+    Ok(steps)
+}
+
 #[pymethods]
 impl PageBook {
     /// The book of ``rows`` (the coordinator's ``BlockRows``), its effects made through ``coordinator`` and on
@@ -404,17 +417,8 @@ impl PageBook {
         reprefill: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let reprefill = int(reprefill, "reprefill")?;
-        let mut parsed = Vec::new();
-        for step in steps.try_iter()? {
-            parsed.push(step?.extract::<(String, u64)>()?);
-        }
+        let parsed: Vec<(String, u64)> = self::steps(steps)?.into_iter().map(|(_, r, t)| (r, t)).collect();
         Self::run(slf, |b, r, e| b.advance(r, e, &parsed, reprefill))
-    }
-
-    /// Plans the host copy of every sealed page of the first ``tokens`` without one.
-    fn materialize(slf: &Bound<'_, Self>, request: &str, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let tokens = int(tokens, "tokens")?;
-        Self::run(slf, |b, r, e| b.materialize(r, e, request, tokens))
     }
 
     /// The transfers planned since the last call, in order: ``(id, host block, resident blocks, after_forward,
@@ -575,15 +579,18 @@ impl PageBook {
         reprefill: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let reprefill = int(reprefill, "reprefill")?;
-        let out = PyList::empty(slf.py());
-        for item in requests.try_iter()? {
-            let item = item?;
-            let (request, tokens): (String, u64) = item.extract()?;
-            if Self::run(slf, |b, r, e| b.needs_work(r, e, &request, tokens, reprefill))? {
-                out.append(item)?;
+        let steps = self::steps(requests)?;
+        let busy = Self::run(slf, |b, r, e| {
+            let mut busy = Vec::with_capacity(steps.len());
+            for (_, request, tokens) in &steps {
+                busy.push(b.needs_work(r, e, request, *tokens, reprefill)?);
             }
-        }
-        Ok(out)
+            Ok(busy)
+        })?;
+        PyList::new(
+            slf.py(),
+            steps.into_iter().zip(busy).filter(|(_, busy)| *busy).map(|((item, ..), _)| item),
+        )
     }
 
     /// The step end below which the request needs no bookkeeping (``PageBook::quiet_below``).

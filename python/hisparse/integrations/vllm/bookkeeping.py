@@ -277,10 +277,6 @@ class Bookkeeping(HiSparseCoordinator):
             for manager in self.hot_managers:
                 manager.require_hot(request_id)
 
-    def update_residency(self, request_id: str) -> None:
-        # vLLM's per-step residency of one request: adoption, then _release_order's or _without_region's.
-        self.counters["released"] += self.book.advance([(request_id, 0)], 0)
-
     # ------------------------------------------------------------------ per-step work, O(what changed)
     #
     # vLLM's connector runs every per-step scan over every scheduled request; these give the same results
@@ -306,11 +302,8 @@ class Bookkeeping(HiSparseCoordinator):
 
     def advance_scheduled(self, requests) -> None:
         # vLLM's, for every request in one core call (``PageBook::advance``): its copies planned, then its
-        # residency (``update_residency``).
+        # residency (vLLM's ``update_residency``: adoption, then _release_order's or _without_region's).
         self.counters["released"] += self.book.advance(requests, self.num_reprefillable_tokens)
-
-    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
-        self.book.materialize(request_id, num_computed_tokens)
 
     def _plan_page_transfer(self, request_id: str, page_idx: int, *, after_forward: bool,
                             restore: bool = False) -> bool:
@@ -414,17 +407,16 @@ class Bookkeeping(HiSparseCoordinator):
         request_id, book = request.request_id, self.book
         num_pages = num_computed_tokens // self._host_block_size
         facts = book.publication_facts(request_id)
-        if facts is not None and self._publishes_nothing(request, *facts, num_pages):
-            if facts[0] >= num_pages:
-                book.set_publication(request_id, None)
-                return
-        else:
+        nothing = facts is not None and self._publishes_nothing(request, *facts, num_pages)
+        if not nothing:
             self._unmark(request_id)
-            facts = None
+        elif facts[0] >= num_pages:
+            book.set_publication(request_id, None)
+            return
         book.set_publication(request_id, _PendingPublication(request, num_computed_tokens, num_pages,
                                                              retention_interval, replay_boundaries),
                              num_computed_tokens)
-        if facts is None:
+        if not nothing:
             book.publish_if_ready(request_id)
 
     def _publishes_nothing(self, request, ready_prefix_pages: int, copies_recorded: int, num_pages: int) -> bool:

@@ -234,7 +234,7 @@ class HisparseCoordinator(Bookkeeping):
     # ------------------------------------------------------------------ release (= reuse) order
 
     def _release_order(self, request_id: str, pages: list[int]) -> list[int]:
-        return self.order.release_order(request_id, pages)  # usually one page: the one that just left the tail
+        return self.order.release_order(request_id, pages)
 
     def report_heat(self, report: HeatReport) -> None:
         """A heat summary from the workers (``heat.py``): the release order of each request it lists, until
