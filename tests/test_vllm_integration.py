@@ -142,32 +142,6 @@ def test_scenario6_mtp_three_speculative_tokens():
     assert stats.rows_checked > 3 * 40 * len(GROUP_LAYERS) * H.TOP_K // 3
 
 
-def _run_recording(setup, jobs, num_spec_tokens: int = 0) -> tuple[H.Stats, list]:
-    """Runs a trace and returns, per step, what the scheduler sent (``vllm_harness._digest``: its decisions
-    and every connector metadata field) and what it keeps that the metadata does not show (host prefix
-    publication, the GPU copies it records). Copies complete two steps late, as a GPU's DMA would, so pages
-    stay pending across steps."""
-    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-
-    worker = H.FakeWorker(setup, layers=[0, 60], record=True, completion_lag=2)
-    coord = setup.scheduler.connector.connector_scheduler.coordinator
-    host_cache = coord.host_manager.block_pool.cached_block_hash_to_block._cache
-    kept = []
-
-    def on_step(step):
-        # Our cache of requests that hold their hot regions holds nothing else (checked against vLLM's test).
-        stale = [rid for rid in getattr(coord, "_reads_host", ())
-                 if not HiSparseCoordinator._can_read_from_host(coord, rid)]
-        assert not stale, f"step {step}: {stale} no longer read from the host"
-        book = H.lifecycle(coord)
-        kept.append((len(host_cache), len(book["copies"]), sorted(
-            (rid, st["publication"] is not None, st["copies_recorded"], st["ready_prefix"])
-            for rid, st in book["requests"].items())))
-
-    stats = H.run(setup, worker, jobs, num_spec_tokens=num_spec_tokens, on_step=on_step)
-    return stats, [stats.trace, kept]
-
-
 def test_fifo_policy_makes_vllms_decisions_step_by_step():
     """``policy: fifo`` is vLLM's native HiSparse: same trace, same scheduler outputs and metadata, same
     scheduler state, step by step."""
@@ -175,7 +149,7 @@ def test_fifo_policy_makes_vllms_decisions_step_by_step():
     traces = []
     for mode, extra in (("native", None), ("hisparse", {"policy": "fifo"})):
         setup = H.build(mode=mode, gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra=extra)
-        stats, trace = _run_recording(setup, jobs)
+        stats, trace = H.run_recording(setup, jobs)
         traces.append(trace)
     assert stats.rows_from_host > 0
     assert traces[0] == traces[1]
@@ -216,8 +190,8 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(monkeypatch, policy, as
                                                          gpu_gib, chunk):
     """The same trace through our connector twice, once with vLLM's per-step scans: every scheduler decision,
     every field of the connector metadata (transfers, host copies, source blocks, row mirrors, residency flag
-    and updates) and the scheduler state the metadata does not show (``_run_recording``) are equal at every
-    step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
+    and updates) and the scheduler state the metadata does not show (``vllm_harness.run_recording``) are equal
+    at every step. The trace has prefix hits (on the GPU and on the host only), pressure, preemptions (under fifo:
     without prefix caching, a resumed request starts again with no hot region), recycled blocks and copies
     that complete late; one run has MTP's drafts and lookahead, prefill chunks short enough that its
     requests fill their admission windows, and a top-K of 512, whose hot regions are small enough for them to
@@ -236,7 +210,7 @@ def test_cheaper_bookkeeping_sends_what_vllms_scans_send(monkeypatch, policy, as
                         max_num_batched_tokens=chunk, extra={"policy": policy, "heat_interval": 4})
         if vllms:
             _with_vllms_scans(setup)
-        stats, trace = _run_recording(setup, jobs, mtp)
+        stats, trace = H.run_recording(setup, jobs, num_spec_tokens=mtp)
         traces.append(trace)
         summaries.append((stats.prefix_hit_tokens, stats.preemptions, stats.rows_from_host))
     assert summaries[0][2] > 0 and (summaries[0][0] > 0) == prefix_caching
@@ -381,13 +355,12 @@ _TOGETHER = r"""
 import sys
 sys.path.insert(0, "tests")
 import vllm_harness as H
-from test_vllm_integration import _run_recording
 prompt = H.prompt(7, 3000)
 traces = []
 for mode, extra in (("native", None), ("hisparse", {"policy": "fifo"})):
     setup = H.build(mode=mode, gpu_gib=1.0, max_model_len=8192, host_pool_gib=20, extra=extra)
     jobs = [H.Job("a", list(prompt), 8), H.Job("b", list(prompt), 8), H.Job("c", list(prompt), 8, arrival=40)]
-    traces.append(_run_recording(setup, jobs)[1])
+    traces.append(H.run_recording(setup, jobs)[1])
 print("RESULT", "same" if traces[0] == traces[1] else "different")
 """
 
@@ -397,8 +370,8 @@ def test_copies_completing_together_publish_in_vllms_order(seed):
     """Two requests of one prompt complete their copies in the same report; vLLM publishes them in the order
     of its set of their ids, which its process's string hashes decide (``PYTHONHASHSEED``), and the second
     one's GPU copies are the ones indexed for a third request's prefix hit. Under ``fifo`` ours publishes in
-    the same order: every step of the three (``_run_recording``) is vLLM's, under seeds that order the set
-    both ways (a review's reproducer: 2, 3 and 4 differed from the order of completion)."""
+    the same order: every step of the three (``vllm_harness.run_recording``) is vLLM's, under seeds that order
+    the set both ways (a review's reproducer: 2, 3 and 4 differed from the order of completion)."""
     import os
     import subprocess
     import sys

@@ -1276,6 +1276,33 @@ def hisparse_coordinators(sched) -> list:
     return [c for c in found if hasattr(c, "check_rows")]
 
 
+
+def run_recording(setup: Setup, jobs: list[Job], *, completion_lag: int = 2, **run_options) -> tuple[Stats, list]:
+    """Runs a trace (``run``'s options) and returns, per step, what the scheduler sent (``_digest``: its
+    decisions and every connector metadata field) and what it keeps that the metadata does not show (host
+    prefix publication, the GPU copies it records): equal step by step for two coordinators that make the same
+    decisions. Copies complete ``completion_lag`` steps late, as a GPU's DMA would, so pages stay pending
+    across steps."""
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    worker = FakeWorker(setup, layers=[0, 60], record=True, completion_lag=completion_lag)
+    coord = setup.scheduler.connector.connector_scheduler.coordinator
+    host_cache = coord.host_manager.block_pool.cached_block_hash_to_block._cache
+    kept = []
+
+    def on_step(step):
+        # Our cache of requests that hold their hot regions holds nothing else (checked against vLLM's test).
+        stale = [rid for rid in getattr(coord, "_reads_host", ())
+                 if not HiSparseCoordinator._can_read_from_host(coord, rid)]
+        assert not stale, f"step {step}: {stale} no longer read from the host"
+        book = lifecycle(coord)
+        kept.append((len(host_cache), len(book["copies"]), sorted(
+            (rid, st["publication"] is not None, st["copies_recorded"], st["ready_prefix"])
+            for rid, st in book["requests"].items())))
+
+    stats = run(setup, worker, jobs, on_step=on_step, **run_options)
+    return stats, [stats.trace, kept]
+
 def lifecycle(coord) -> dict:
     """The page lifecycle of a HiSparse coordinator, ours (``Bookkeeping.lifecycle``: the core's book) or
     vLLM's (read from its Python state into the same shape): ``requests`` (request -> ``valid``,
