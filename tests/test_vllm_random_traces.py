@@ -25,7 +25,7 @@ import pytest
 
 H = pytest.importorskip("vllm_harness")
 pytest.importorskip("vllm")
-L = pytest.importorskip("test_vllm_lifecycle")
+import test_vllm_lifecycle as L  # noqa: E402  (after the skips: it needs vLLM too)
 
 pytestmark = pytest.mark.vllm
 
