@@ -7,8 +7,8 @@ combination; these mix them.
 - ``policy: fifo`` makes vLLM's native HiSparse decisions: every step's scheduler output, connector metadata
   and kept state (``vllm_harness.run_recording``) equal vLLM's own coordinator's on the same trace;
 - every policy, alone or beside the offloading connector, keeps the page lifecycle's invariants
-  (``test_vllm_lifecycle.lifecycle_violations``) and vLLM's rows (``check_rows``) after every step, and every
-  row the fake forward reads is the one written (the harness raises on the first that is not).
+  (``test_vllm_lifecycle.lifecycle_violations``) after every step; the harness checks, as in every run, that
+  the recorded rows are vLLM's (``check_rows``) and that every row the fake forward reads is the one written.
 
 The seeds here were chosen out of a sweep that passed, to cover those features between them
 (``test_the_seeds_cover_what_they_are_for``). ``HISPARSE_TRACE_SEEDS=0-400`` runs every test over those seeds
@@ -112,18 +112,14 @@ def test_fifo_makes_vllms_decisions_on_random_traces(monkeypatch, seed):
 
 
 def _run_checked(seed: int, monkeypatch):
+    """The checked trace of ``seed``, the lifecycle checked after every step (``test_vllm_lifecycle``; the
+    harness checks the recorded rows and every row read): the run's stats."""
     trace = draw(seed, checked=True)
     setup = _build(trace, monkeypatch)
     worker = H.FakeWorker(setup, layers=[0, 60], completion_lag=trace.completion_lag)
-    coord = L._coordinator(setup)
-
-    def on_step(step: int) -> None:
-        bad = L.lifecycle_violations(coord)
-        assert not bad, f"step {step}: " + "; ".join(bad[:5])
-        coord.check_rows()
-
-    return H.run(setup, worker, trace.jobs, num_spec_tokens=trace.build["num_spec_tokens"], on_step=on_step,
-                 then=trace.then, aborts=trace.aborts)
+    stats, _ = L._run_checked(setup, worker, trace.jobs, num_spec_tokens=trace.build["num_spec_tokens"],
+                              then=trace.then, aborts=trace.aborts)
+    return stats
 
 
 @pytest.mark.parametrize("seed", _seeds(CHECKED_SEEDS))

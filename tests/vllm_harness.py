@@ -1276,7 +1276,6 @@ def hisparse_coordinators(sched) -> list:
     return [c for c in found if hasattr(c, "check_rows")]
 
 
-
 def run_recording(setup: Setup, jobs: list[Job], *, completion_lag: int = 2, **run_options) -> tuple[Stats, list]:
     """Runs a trace (``run``'s options) and returns, per step, what the scheduler sent (``_digest``: its
     decisions and every connector metadata field) and what it keeps that the metadata does not show (host
@@ -1302,6 +1301,7 @@ def run_recording(setup: Setup, jobs: list[Job], *, completion_lag: int = 2, **r
 
     stats = run(setup, worker, jobs, on_step=on_step, **run_options)
     return stats, [stats.trace, kept]
+
 
 def lifecycle(coord) -> dict:
     """The page lifecycle of a HiSparse coordinator, ours (``Bookkeeping.lifecycle``: the core's book) or
