@@ -100,15 +100,19 @@ def _coordinator(setup):
     return coord
 
 
-def _run_checked(setup, worker, jobs, **run) -> tuple:
+def _run_checked(setup, worker, jobs, *, between_steps=None, **run) -> tuple:
     """``jobs`` through vLLM's scheduler, the lifecycle checked after every step: the run's stats, and in how
-    many steps each state the invariants speak of was held by some request."""
+    many steps each state the invariants speak of was held by some request. ``between_steps(step)``, run after
+    each step's check, returns whether it changed the scheduler's state (the lifecycle is then checked again)."""
     coord = _coordinator(setup)
     seen: Counter[str] = Counter()
 
-    def on_step(step: int) -> None:
+    def check(step: int) -> None:
         bad = lifecycle_violations(coord)
         assert not bad, f"step {step}: " + "; ".join(bad[:5])
+
+    def on_step(step: int) -> None:
+        check(step)
         book = H.lifecycle(coord)
         states = book["requests"].values()
         seen["released"] += any(st["released"] for st in states)
@@ -118,6 +122,8 @@ def _run_checked(setup, worker, jobs, **run) -> tuple:
                             for block in coord.resident_managers[0].get_residency_row(rid))
         seen["owned"] += any(book["owners"].values())
         seen["copies"] += bool(book["copies"])
+        if between_steps is not None and between_steps(step):
+            check(step)
 
     return H.run(setup, worker, jobs, on_step=on_step, **run), seen
 
