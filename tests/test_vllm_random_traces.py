@@ -99,25 +99,37 @@ FIFO_SEEDS = [52, 74, 76, 84, 117, 121]
 CHECKED_SEEDS = [5, 6, 7, 13, 30, 43]
 
 
-def _both_runs(seed: int, monkeypatch) -> list[tuple]:
-    """The fifo trace of ``seed`` through vLLM's coordinator, then ours: each run's stats and recording."""
+#: Steps after which a run is taken never to finish: several times the longest a trace here takes to finish.
+MAX_STEPS = 3000
+
+
+def _recordings(seed: int, monkeypatch) -> list[tuple[bool, list]]:
+    """The fifo trace of ``seed`` through vLLM's coordinator, then ours: whether each run finished within
+    ``MAX_STEPS``, and its recording (``vllm_harness.run_recording``) of every step it ran."""
     trace = draw(seed)
     runs = []
     for mode in ("native", "hisparse"):
         setup = _build(trace, monkeypatch, mode=mode, extra=None if mode == "native" else trace.build["extra"])
-        runs.append(H.run_recording(setup, trace.jobs, completion_lag=trace.completion_lag,
-                                    num_spec_tokens=trace.build["num_spec_tokens"], then=trace.then,
-                                    aborts=trace.aborts))
+        try:
+            _, recording = H.run_recording(setup, trace.jobs, completion_lag=trace.completion_lag,
+                                           num_spec_tokens=trace.build["num_spec_tokens"], then=trace.then,
+                                           aborts=trace.aborts, max_steps=MAX_STEPS)
+            runs.append((True, recording))
+        except H.NotDone as e:
+            runs.append((False, e.recording))
     return runs
 
 
 @pytest.mark.parametrize("seed", _seeds(FIFO_SEEDS))
 def test_fifo_makes_vllms_decisions_on_random_traces(monkeypatch, seed):
-    (_, theirs), (_, ours) = _both_runs(seed, monkeypatch)
+    """Step by step, until both finish or neither has (vLLM's HiSparse can admit and preempt a request forever:
+    ``test_coldest_finishes_a_trace_vllms_hisparse_never_does``)."""
+    (done, theirs), (we_done, ours) = _recordings(seed, monkeypatch)
     for kind, a, b in zip(("sent", "kept"), theirs, ours, strict=True):
         assert len(a) == len(b), f"{kind}: {len(a)} steps against {len(b)}"
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
             assert x == y, f"step {step} differs ({kind})"
+    assert we_done == done
 
 
 def _resets(setup, worker, first: int):
@@ -185,3 +197,31 @@ def test_the_seeds_cover_what_they_are_for():
     assert {t.build["extra"]["policy"] for t in checked} == {"coldest", "fifo"}
     assert {t.build.get("offload_first") for t in checked} >= {True, False}
     assert {t.build["async_scheduling"] for t in checked if t.reset_from is not None} == {False, True}
+
+
+#: A sweep's trace on which vLLM's HiSparse never finishes (fifo neither, making its decisions).
+NEVER_FINISHES = 533
+
+
+@pytest.mark.parametrize("policy", ["native", "fifo", "coldest"])
+def test_coldest_finishes_a_trace_vllms_hisparse_never_does(monkeypatch, policy):
+    """Seed 533 (async, 0.7 GiB, no prefix caching, 2,048-token chunks): two running requests each wait for a
+    hot region the pool cannot grant beside their next chunk, holding their pages. vLLM's HiSparse admits the
+    waiting follow-up turn ``r5t`` into the blocks left (it counts released pages as free), cannot then grow the
+    others, preempts ``r5t``, and admits it again, every three steps, forever. coldest defers that admission
+    while the pool lacks the regions owed to running requests (``PoolPolicy.admit``), moves a request to a region
+    only once it pays (``PoolPolicy.transition``), and finishes the trace without a preemption, every row read
+    right."""
+    trace = draw(NEVER_FINISHES)
+    extra = None if policy == "native" else {**trace.build["extra"], "policy": policy}
+    setup = _build(trace, monkeypatch, mode="native" if policy == "native" else "hisparse", extra=extra)
+    worker = H.FakeWorker(setup, layers=[0, 60], completion_lag=trace.completion_lag)
+    run = dict(num_spec_tokens=trace.build["num_spec_tokens"], then=trace.then, aborts=trace.aborts, max_steps=700)
+    if policy != "coldest":
+        with pytest.raises(H.NotDone):
+            H.run(setup, worker, trace.jobs, **run)
+        assert setup.scheduler.requests["r5t"].num_preemptions > 50
+        return
+    stats = H.run(setup, worker, trace.jobs, **run)
+    assert stats.preemptions == 0 and stats.rows_checked > 0 and stats.rows_from_host > 0
+    assert setup.scheduler.connector.coordinator.counters["admissions_deferred"] > 0

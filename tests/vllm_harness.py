@@ -330,6 +330,13 @@ class CheckFailed(AssertionError):
     pass
 
 
+class NotDone(CheckFailed):
+    """A run still serving after its ``max_steps``: a request admitted and preempted over and over, say.
+    ``recording``: what ``run_recording`` had recorded by then, for comparing two runs that never finish."""
+
+    recording: list | None = None
+
+
 @dataclass
 class _Req:
     row: int
@@ -1218,7 +1225,7 @@ def run(setup: Setup, worker: FakeWorker, jobs: list[Job], *, max_steps: int = 1
     step = 0
     while pending or sched.has_requests() or queue or live:
         if step >= max_steps:
-            raise CheckFailed(f"not done after {max_steps} steps")
+            raise NotDone(f"not done after {max_steps} steps")
         arriving = []
         for rid in sorted(live - set(sched.requests)):  # finished since the last step: send the next turn
             live.discard(rid)
@@ -1281,7 +1288,7 @@ def run_recording(setup: Setup, jobs: list[Job], *, completion_lag: int = 2, **r
     decisions and every connector metadata field) and what it keeps that the metadata does not show (host
     prefix publication, the GPU copies it records): equal step by step for two coordinators that make the same
     decisions. Copies complete ``completion_lag`` steps late, as a GPU's DMA would, so pages stay pending
-    across steps."""
+    across steps. A run not done after ``max_steps`` raises ``NotDone`` with the recording so far."""
     from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 
     worker = FakeWorker(setup, layers=[0, 60], record=True, completion_lag=completion_lag)
@@ -1299,7 +1306,11 @@ def run_recording(setup: Setup, jobs: list[Job], *, completion_lag: int = 2, **r
             (rid, st["publication"] is not None, st["copies_recorded"], st["ready_prefix"])
             for rid, st in book["requests"].items())))
 
-    stats = run(setup, worker, jobs, on_step=on_step, **run_options)
+    try:
+        stats = run(setup, worker, jobs, on_step=on_step, **run_options)
+    except NotDone as e:
+        e.recording = [worker.stats.trace, kept]
+        raise
     return stats, [stats.trace, kept]
 
 
