@@ -148,25 +148,25 @@ def _resets(setup, worker, first: int):
         if step < first or done or not worker.in_flight():
             return False
         done.append(step)
-        if live:
-            try:
-                sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
-            except RuntimeError:
-                pass  # refused (docstring): serving goes on, checked from here as before
-            return True
-        assert sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True), \
-            f"step {step}: vLLM's reset failed with nothing but transfers in flight"
-        dead = worker.rebuild()
-        worker.deliver_late(dead.late_report())
+        try:
+            reset = sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        except RuntimeError:
+            if not live:
+                raise
+            return True  # refused (docstring): serving goes on, checked from here as before
+        if not live:
+            assert reset, f"step {step}: vLLM's reset failed with nothing but transfers in flight"
+            dead = worker.rebuild()
+            worker.deliver_late(dead.late_report())
         return True
 
     return between_steps
 
 
-def _run_checked(seed: int, monkeypatch):
+def _run_checked(seed: int, monkeypatch) -> tuple[Trace, object]:
     """The checked trace of ``seed``, the lifecycle checked after every step (``test_vllm_lifecycle``; the
-    harness checks the recorded rows and every row read), reset where the trace says: the run's stats, or
-    None when it had not finished after ``MAX_STEPS``."""
+    harness checks the recorded rows and every row read), reset where the trace says: the trace, and the run's
+    stats or None when it had not finished after ``MAX_STEPS``."""
     trace = draw(seed, checked=True)
     setup = _build(trace, monkeypatch)
     worker = H.FakeWorker(setup, layers=[0, 60], completion_lag=trace.completion_lag)
@@ -176,17 +176,17 @@ def _run_checked(seed: int, monkeypatch):
                                   num_spec_tokens=trace.build["num_spec_tokens"], then=trace.then,
                                   aborts=trace.aborts)
     except H.NotDone:
-        return None
-    return stats
+        return trace, None
+    return trace, stats
 
 
 @pytest.mark.parametrize("seed", _seeds(CHECKED_SEEDS))
 def test_every_policy_keeps_the_lifecycle_on_random_traces(monkeypatch, seed):
     """And coldest finishes every trace (fifo, making vLLM's decisions, may not:
     ``test_coldest_finishes_a_trace_vllms_hisparse_never_does``)."""
-    stats = _run_checked(seed, monkeypatch)
+    trace, stats = _run_checked(seed, monkeypatch)
     if stats is None:
-        assert draw(seed, checked=True).build["extra"]["policy"] == "fifo", "coldest never finished the trace"
+        assert trace.build["extra"]["policy"] == "fifo", "coldest never finished the trace"
         return
     assert stats.rows_checked > 0
 
